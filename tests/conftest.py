@@ -1,1 +1,39 @@
-"""Shared pytest fixtures for the isotrain suite."""
+"""Shared pytest fixtures for the isotrain suite.
+
+Isolation audit (autouse, every test): each test runs inside ``isotrain.contexts.rng_isolated``
+and an ``isotrain.audit.StateAudit`` of global state (no modules). A test FAILS (reported as an
+error in teardown, with the list of leaks) if it leaves grad mode, inference mode, autocast
+(enabled/dtype/cache, cpu and cuda), default dtype, deterministic-algorithms flags, thread count,
+anomaly mode, float32 matmul precision or the compiler stance different from how it found them.
+After reporting, the fixture puts the leaked state back so one leak does not cascade into every
+later test.
+
+The global RNGs (Python ``random``, torch CPU, CUDA if already initialised, numpy if imported)
+are deliberately NOT audited: drawing from them (``torch.randn`` without a generator) or seeding
+them (``torch.manual_seed``) is ordinary test code. Instead the fixture restores them after each
+test, so every test starts from the same RNG state whatever ran before it, and tests stay
+independent of order and of ``-k`` selection. To check that *library* code leaves the RNG
+alone, audit it inside the test: ``with StateAudit(raise_on_leak=True): ...``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from isotrain.audit import StateAudit
+from isotrain.contexts import rng_isolated
+
+
+@pytest.fixture(autouse=True)
+def _isolation_audit() -> Iterator[None]:
+    # Cover CUDA only if a test already initialised it: never initialise CUDA just for this.
+    cuda = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with rng_isolated(devices=cuda), StateAudit(check_rng=False, warn=False) as audit:
+        yield
+    if audit.differences:
+        audit.restore()
+        leaks = "\n".join(f"  - {d}" for d in audit.differences)
+        pytest.fail(f"test leaked global state (restored now):\n{leaks}", pytrace=False)

@@ -1,0 +1,274 @@
+"""Audit of PyTorch's invisible state: report anything a block changed and did not restore.
+
+``StateAudit`` snapshots grad/inference/anomaly mode, autocast, default dtype, deterministic
+flags, thread count, matmul precision, compiler stance, the global RNGs and (for the modules
+you pass) every training and ``requires_grad`` flag, then names each difference at exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+__all__ = ["StateAudit", "StateLeakError", "assert_isolated"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class StateLeakError(AssertionError):
+    """A block left global or module state different from how it found it."""
+
+    def __init__(self, differences: list[str]) -> None:
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(f"state leaked from the block ({len(self.differences)}):\n{lines}")
+
+
+def _compiler_stance() -> str:
+    # Read only if dynamo is loaded: if it isn't, nobody can have changed the stance (and
+    # importing it would cost seconds).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    stance = getattr(eval_frame, "_stance", None)
+    if stance is None:
+        return "default"
+    text = str(stance.stance)
+    if stance.skip_guard_eval_unsafe:
+        text += " (skip_guard_eval_unsafe)"
+    if stance.backend is not None:
+        text += f" (backend={stance.backend!r})"
+    return text
+
+
+# label -> reader: scalar global state, reported as "label: before -> after"
+_GLOBALS: dict[str, Callable[[], Any]] = {
+    "grad mode": torch.is_grad_enabled,
+    "inference mode": torch.is_inference_mode_enabled,
+    "autocast cpu enabled": lambda: torch.is_autocast_enabled("cpu"),
+    "autocast cpu dtype": lambda: torch.get_autocast_dtype("cpu"),
+    "autocast cuda enabled": lambda: torch.is_autocast_enabled("cuda"),
+    "autocast cuda dtype": lambda: torch.get_autocast_dtype("cuda"),
+    "autocast cache": torch.is_autocast_cache_enabled,
+    "default dtype": torch.get_default_dtype,
+    "deterministic algorithms": torch.are_deterministic_algorithms_enabled,
+    "deterministic warn_only": torch.is_deterministic_algorithms_warn_only_enabled,
+    "num threads": torch.get_num_threads,
+    "anomaly mode": torch.is_anomaly_enabled,
+    "anomaly check_nan": torch.is_anomaly_check_nan_enabled,
+    "float32 matmul precision": torch.get_float32_matmul_precision,
+    "compiler stance": _compiler_stance,
+}
+
+
+def _rng_snapshot() -> dict[str, Any]:
+    states: dict[str, Any] = {
+        "Python random state": random.getstate(),
+        "torch RNG state": torch.get_rng_state(),
+    }
+    if torch.cuda.is_initialized():  # never initialise CUDA just to audit it
+        for i in range(torch.cuda.device_count()):
+            states[f"CUDA RNG state (device {i})"] = torch.cuda.get_rng_state(i)
+    np = sys.modules.get("numpy")  # not imported means its global RNG cannot have been used
+    if np is not None:
+        states["numpy RNG state"] = np.random.get_state()
+    return states
+
+
+def _same_rng(label: str, a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)  # byte tensors: a few microseconds, no hashing
+    if label == "numpy RNG state":  # ('MT19937', key array, pos, has_gauss, cached_gaussian)
+        np = sys.modules["numpy"]
+        return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and a[2:] == b[2:]
+    return a == b
+
+
+def _set_rng(label: str, state: Any) -> None:
+    if label == "Python random state":
+        random.setstate(state)
+    elif label == "torch RNG state":
+        torch.set_rng_state(state)
+    elif label == "numpy RNG state":
+        sys.modules["numpy"].random.set_state(state)
+    else:  # "CUDA RNG state (device i)"
+        torch.cuda.set_rng_state(state, int(label.rsplit(" ", 1)[1].rstrip(")")))
+
+
+def _module_flags(modules: tuple[nn.Module, ...]) -> tuple[list[tuple], list[tuple]]:
+    """Return [(label, module, training)] and [(label, param, requires_grad)]."""
+    mods, params = [], []
+    for i, root in enumerate(modules):
+        prefix = f"{i}." if len(modules) > 1 else ""
+        root_label = str(i) if len(modules) > 1 else "<root>"
+        for name, m in root.named_modules():
+            mods.append((prefix + name if name else root_label, m, m.training))
+        for name, p in root.named_parameters():
+            params.append((prefix + name, p, p.requires_grad))
+    return mods, params
+
+
+def _restore_globals(before: dict[str, Any]) -> None:
+    def changed(*labels: str) -> bool:
+        return any(_GLOBALS[label]() != before[label] for label in labels)
+
+    if changed("grad mode"):
+        torch.set_grad_enabled(before["grad mode"])
+    for dev in ("cpu", "cuda"):
+        if changed(f"autocast {dev} enabled", f"autocast {dev} dtype"):
+            torch.set_autocast_enabled(dev, before[f"autocast {dev} enabled"])
+            torch.set_autocast_dtype(dev, before[f"autocast {dev} dtype"])
+    if changed("autocast cache"):
+        torch.set_autocast_cache_enabled(before["autocast cache"])
+    if changed("default dtype"):
+        torch.set_default_dtype(before["default dtype"])
+    if changed("deterministic algorithms", "deterministic warn_only"):
+        torch.use_deterministic_algorithms(
+            before["deterministic algorithms"], warn_only=before["deterministic warn_only"]
+        )
+    if changed("num threads"):
+        torch.set_num_threads(before["num threads"])
+    if changed("anomaly mode", "anomaly check_nan"):
+        torch.set_anomaly_enabled(before["anomaly mode"], before["anomaly check_nan"])
+    if changed("float32 matmul precision"):
+        torch.set_float32_matmul_precision(before["float32 matmul precision"])
+
+
+class StateAudit:
+    """Snapshot PyTorch's invisible state on entry; list every difference at exit.
+
+    Example::
+
+        with StateAudit(model, raise_on_leak=True) as audit:
+            evaluate(model)  # raises StateLeakError naming e.g. "grad mode: True -> False"
+        audit.differences  # [] when the block was clean
+
+    Also a decorator: ``@StateAudit(raise_on_leak=True)``. ``check_rng=False`` skips the global
+    RNG states; ``warn=False`` silences the warning sent when leaks are found without raising.
+    """
+
+    def __init__(
+        self,
+        *modules: nn.Module,
+        raise_on_leak: bool = False,
+        check_rng: bool = True,
+        warn: bool = True,
+    ) -> None:
+        for m in modules:
+            if not isinstance(m, nn.Module):
+                raise TypeError(
+                    f"StateAudit takes nn.Module arguments, got {type(m).__name__}; "
+                    "pass modules positionally and options by keyword"
+                )
+        self.modules = modules
+        self.raise_on_leak = raise_on_leak
+        self.check_rng = check_rng
+        self.warn = warn
+        self.differences: list[str] = []
+        self._globals: dict[str, Any] | None = None
+        self._before: dict[str, Any] | None = None
+
+    def __enter__(self) -> StateAudit:
+        if self._globals is not None:
+            raise RuntimeError("this StateAudit is already active; create one per block")
+        self.differences = []
+        self._globals = {label: read() for label, read in _GLOBALS.items()}
+        self._rng = _rng_snapshot() if self.check_rng else {}
+        self._mods, self._params = _module_flags(self.modules)
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
+        if self._globals is None:
+            raise RuntimeError("StateAudit.__exit__ called without __enter__")
+        self.differences = self._compare(self._globals)
+        self._before, self._globals = self._globals, None
+        if not self.differences or exc_type is not None:
+            return  # never mask the block's own exception; `differences` still holds the leaks
+        if self.raise_on_leak:
+            raise StateLeakError(self.differences)
+        if self.warn:
+            warnings.warn(str(StateLeakError(self.differences)), stacklevel=2)
+
+    def _compare(self, globals_before: dict[str, Any]) -> list[str]:
+        diffs = []
+        for label, before in globals_before.items():
+            after = _GLOBALS[label]()
+            if after != before:
+                diffs.append(f"{label}: {before} -> {after}")
+        if self.check_rng:
+            now = _rng_snapshot()
+            for label, before in self._rng.items():
+                if label in now and not _same_rng(label, before, now[label]):
+                    diffs.append(f"{label} changed")
+        for label, m, before in self._mods:
+            if m.training != before:
+                diffs.append(f"module '{label}' training: {before} -> {m.training}")
+        for label, p, before in self._params:
+            if p.requires_grad != before:
+                diffs.append(f"parameter '{label}' requires_grad: {before} -> {p.requires_grad}")
+        return diffs
+
+    def restore(self) -> None:
+        """Put back what the last audited block changed (e.g. so one leak can't cascade).
+
+        Covers everything audited except inference mode and the compiler stance, which have
+        no public setter; call it after the block has exited.
+        """
+        if self._before is None:
+            raise RuntimeError("StateAudit.restore() needs a finished block: call it after `with`")
+        _restore_globals(self._before)
+        for label, state in self._rng.items():
+            _set_rng(label, state)
+        for _, m, training in self._mods:
+            m.training = training
+        for _, p, requires_grad in self._params:
+            p.requires_grad_(requires_grad)
+
+    def __call__(self, fn: F) -> F:
+        """Use as a decorator: every call of ``fn`` runs under a fresh audit like this one."""
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            audit = StateAudit(
+                *self.modules,
+                raise_on_leak=self.raise_on_leak,
+                check_rng=self.check_rng,
+                warn=self.warn,
+            )
+            try:
+                with audit:
+                    return fn(*args, **kwargs)
+            finally:
+                self.differences = audit.differences
+
+        return wrapper  # type: ignore[return-value]
+
+
+def assert_isolated(
+    fn: Callable[[], Any] | None = None, *modules: nn.Module, check_rng: bool = True
+) -> Any:
+    """Run ``fn()`` and raise StateLeakError if it leaked state; with ``fn=None``, a context.
+
+    Example::
+
+        assert_isolated(lambda: evaluate(model, batches), model)
+        with assert_isolated(None, model):
+            evaluate(model, batches)
+    """
+    if isinstance(fn, nn.Module):
+        raise TypeError(
+            "assert_isolated(fn, *modules): the first argument is the function to run, got an "
+            "nn.Module; use assert_isolated(lambda: ..., model) or assert_isolated(None, model)"
+        )
+    audit = StateAudit(*modules, raise_on_leak=True, check_rng=check_rng)
+    if fn is None:
+        return audit
+    if not callable(fn):
+        raise TypeError(f"assert_isolated() needs a callable or None, got {type(fn).__name__}")
+    with audit:
+        return fn()

@@ -1,0 +1,429 @@
+"""Tests for isotrain.contexts: every context restores exactly, on exit, on error, when nested."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from isotrain.contexts import (
+    AutocastInfo,
+    autocast_if_available,
+    eval_mode,
+    frozen,
+    resolve_autocast,
+    rng_isolated,
+    train_mode,
+)
+
+
+class Net(nn.Module):
+    """Tiny classifier whose forward returns the loss, like the seed's ``model(x, y)``."""
+
+    def __init__(self, p_drop: float = 0.0) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential()
+        self.encoder.add_module("fc", nn.Linear(8, 16))
+        self.encoder.add_module("bn", nn.BatchNorm1d(16))
+        self.encoder.add_module("drop", nn.Dropout(p_drop))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(torch.relu(self.encoder(x))), y)
+
+
+def mixed_model() -> Net:
+    """Parent trains, BatchNorm frozen in eval, one parameter frozen: the state to preserve."""
+    model = Net()
+    model.train()
+    model.encoder.bn.eval()
+    model.head.bias.requires_grad_(False)
+    return model
+
+
+def snapshot(*modules: nn.Module) -> tuple:
+    """Independent reference reading of everything the contexts may touch."""
+    return (
+        [(n, m.training) for mod in modules for n, m in mod.named_modules()],
+        [(n, p.requires_grad) for mod in modules for n, p in mod.named_parameters()],
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+    )
+
+
+class Boom(Exception):
+    pass
+
+
+def run(ctx: AbstractContextManager, *, fail: bool) -> None:
+    if not fail:
+        with ctx:
+            pass
+        return
+    with pytest.raises(Boom), ctx:
+        raise Boom
+
+
+# ------------------------------------------------------------------------------ eval / train
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["normal", "exception"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: eval_mode(m),
+        lambda m: eval_mode(m, inference=True),
+        lambda m: eval_mode(m, no_grad=False),
+        lambda m: train_mode(m),
+        lambda m: frozen(m),
+        lambda m: frozen(m.encoder, m.head),
+    ],
+    ids=["eval", "eval-inference", "eval-grad", "train", "frozen", "frozen-parts"],
+)
+@pytest.mark.parametrize("outer_grad", [True, False], ids=["grad", "no_grad"])
+def test_context_restores_everything(make, fail: bool, outer_grad: bool) -> None:
+    model = mixed_model()
+    with torch.set_grad_enabled(outer_grad):
+        before = snapshot(model)
+        run(make(model), fail=fail)
+        assert snapshot(model) == before
+
+
+def test_eval_mode_inside_the_block() -> None:
+    model = mixed_model()
+    with eval_mode(model) as m:
+        assert m is model
+        assert not any(sub.training for sub in model.modules())
+        assert not torch.is_grad_enabled()
+        assert not torch.is_inference_mode_enabled()
+    with eval_mode(model, inference=True):
+        assert torch.is_inference_mode_enabled()
+    with eval_mode(model, no_grad=False):
+        assert torch.is_grad_enabled()
+
+
+def test_eval_mode_several_modules() -> None:
+    a, b = mixed_model(), Net()
+    before = snapshot(a, b)
+    with eval_mode(a, b) as (ea, eb):
+        assert (ea, eb) == (a, b)
+        assert not any(sub.training for sub in [*a.modules(), *b.modules()])
+    assert snapshot(a, b) == before
+
+
+def test_train_mode_inside_the_block() -> None:
+    model = mixed_model()
+    model.eval()
+    with torch.inference_mode(), train_mode(model) as m:
+        assert m is model and all(sub.training for sub in model.modules())
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        assert model(torch.randn(4, 8), torch.tensor([0, 1, 2, 0])).requires_grad
+    assert not any(sub.training for sub in model.modules())
+
+
+def test_frozen_restores_each_flag_and_shared_params() -> None:
+    model = mixed_model()
+    other = nn.Linear(8, 16)
+    other.weight = model.encoder.fc.weight  # tied across modules: captured once
+    with frozen(model, other):
+        assert not any(p.requires_grad for p in [*model.parameters(), *other.parameters()])
+        loss = model(torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))
+        assert not loss.requires_grad
+    assert model.encoder.fc.weight.requires_grad and not model.head.bias.requires_grad
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(), ("model",), (nn.Linear(2, 2), 3)],
+    ids=["none", "str", "int"],
+)
+@pytest.mark.parametrize("ctx", [eval_mode, train_mode, frozen])
+def test_contexts_reject_non_modules(ctx, args) -> None:
+    match = rf"{ctx.__name__}\(\) (needs at least one|takes)"
+    with pytest.raises(TypeError, match=match), ctx(*args):
+        pass
+
+
+# ------------------------------------------------------------------------------------ nesting
+
+
+def nest(ctxs: list, model: nn.Module, *, fail: bool) -> None:
+    """Enter ctxs outermost first; check each level restores exactly what it found."""
+    if not ctxs:
+        if fail:
+            raise Boom
+        return
+    before = snapshot(model)
+    try:
+        with ctxs[0]():
+            nest(ctxs[1:], model, fail=fail)
+    finally:
+        assert snapshot(model) == before
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["normal", "exception"])
+@pytest.mark.parametrize("targets", ["same", "parts"])
+@pytest.mark.parametrize("order", list(itertools.permutations(["eval", "train", "frozen"])))
+def test_nested_contexts_restore_in_any_order(order, targets: str, fail: bool) -> None:
+    model = mixed_model()
+    parts = targets == "parts"
+    factories = {
+        "eval": lambda: eval_mode(model),
+        "train": lambda: train_mode(model.encoder if parts else model),
+        "frozen": lambda: frozen(model.head if parts else model),
+    }
+    before = snapshot(model)
+    with pytest.raises(Boom) if fail else nullcontext():
+        nest([factories[name] for name in order], model, fail=fail)
+    assert snapshot(model) == before
+
+
+def test_innermost_context_wins() -> None:
+    model = mixed_model()
+    with frozen(model), train_mode(model), eval_mode(model):
+        assert not torch.is_grad_enabled() and not any(m.training for m in model.modules())
+    with frozen(model), eval_mode(model), train_mode(model):
+        assert torch.is_grad_enabled() and all(m.training for m in model.modules())
+        assert not any(p.requires_grad for p in model.parameters())
+
+
+# ---------------------------------------------------------------------- the seed's eval bug
+
+
+@contextmanager
+def seed_style_eval_mode(model: nn.Module) -> Iterator[nn.Module]:
+    """Negative control: the common recipe that restores only the top-level flag."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
+
+
+@pytest.mark.parametrize(("ctx", "bn_survives"), [(eval_mode, True), (seed_style_eval_mode, False)])
+def test_frozen_batchnorm_survives_evaluation(ctx, bn_survives: bool) -> None:
+    model = mixed_model()
+    x, y = torch.randn(8, 8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    stats = model.encoder.bn.running_mean.clone()
+    with ctx(model) as m:
+        m(x, y)
+    model(x, y)  # a training step's forward after the evaluation
+    assert (model.encoder.bn.training is False) is bn_survives
+    assert torch.equal(model.encoder.bn.running_mean, stats) is bn_survives
+
+
+# -------------------------------------------------------------------------------------- RNG
+
+
+def train_losses(*, eval_at: int | None, isolate: bool) -> tuple[torch.Tensor, list]:
+    """Tiny dropout model, 4 SGD steps; optionally a random-drawing evaluation mid-run."""
+    torch.manual_seed(0)
+    model = Net(p_drop=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)
+    losses = []
+    for step in range(4):
+        if step == eval_at:
+            with eval_mode(model) as m, rng_isolated(seed=123) if isolate else nullcontext():
+                m(torch.randn(8, 8), y)  # draws from the global torch RNG
+                random.random()
+                np.random.rand()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+def test_evaluation_inside_training_is_bit_identical() -> None:
+    ref_losses, ref_params = train_losses(eval_at=None, isolate=True)
+    losses, params = train_losses(eval_at=2, isolate=True)
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params, strict=True))
+    # negative control: the same evaluation without rng_isolated changes the dropout masks
+    leaky_losses, _ = train_losses(eval_at=2, isolate=False)
+    assert torch.equal(leaky_losses[:2], ref_losses[:2])
+    assert not torch.equal(leaky_losses[2:], ref_losses[2:])
+
+
+def rng_draws() -> tuple:
+    return random.random(), torch.rand(3), np.random.rand(3)
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["normal", "exception"])
+def test_rng_isolated_restores_all_generators(fail: bool) -> None:
+    random.seed(5)
+    torch.manual_seed(5)
+    np.random.seed(5)
+    expected = rng_draws()
+    random.seed(5)
+    torch.manual_seed(5)
+    np.random.seed(5)
+    with rng_isolated(seed=1) as _, pytest.raises(Boom) if fail else nullcontext():
+        rng_draws()
+        if fail:
+            raise Boom
+    got = rng_draws()
+    assert got[0] == expected[0]
+    assert torch.equal(got[1], expected[1])
+    assert np.array_equal(got[2], expected[2])
+
+
+def test_rng_isolated_seed_makes_draws_repeatable() -> None:
+    with rng_isolated(seed=42):
+        first = rng_draws()
+    torch.rand(5)  # move the outer state on: the seeded block must not care
+    with rng_isolated(seed=42):
+        second = rng_draws()
+    with rng_isolated(seed=43):
+        third = rng_draws()
+    assert first[0] == second[0] and torch.equal(first[1], second[1])
+    assert np.array_equal(first[2], second[2])
+    assert not torch.equal(first[1], third[1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"devices": ["cpu"]}, ValueError, "takes CUDA devices"),
+        ({"seed": 1.5}, TypeError, "seed must be an int"),
+    ],
+)
+def test_rng_isolated_bad_input(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match), rng_isolated(**kwargs):
+        pass
+
+
+# --------------------------------------------------------------------------------- autocast
+
+
+def test_autocast_on_cpu_runs_bf16_and_reports_it() -> None:
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with autocast_if_available(device="cpu") as info:
+        out = a @ b
+    assert out.dtype == torch.bfloat16
+    assert info == AutocastInfo(
+        True, "cpu", torch.bfloat16, False, "cpu autocast to torch.bfloat16"
+    )
+    assert not torch.is_autocast_enabled("cpu") and (a @ b).dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="default device is cuda here")
+def test_autocast_no_args_defaults_to_cpu_bf16() -> None:
+    with autocast_if_available() as info:
+        assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.bfloat16
+    assert info.enabled and info.device_type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"enabled": False, "device": "cpu"}, "disabled by enabled=False"),
+        ({"dtype": torch.float32, "device": "cpu"}, "supports bfloat16/float16, not torch.float32"),
+        ({"device": torch.device("meta")}, "does not support device type 'meta'"),
+    ],
+)
+def test_autocast_no_op_cases(kwargs, reason: str) -> None:
+    with autocast_if_available(**kwargs) as info:
+        out = torch.randn(2, 2) @ torch.randn(2, 2)
+    assert not info.enabled and info.dtype is None and info.reason.endswith(reason)
+    assert out.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="mps is available here")
+def test_autocast_unavailable_mps_is_a_no_op() -> None:
+    info = resolve_autocast(device="mps")
+    assert not info.enabled and info.reason == "device 'mps' is not available"
+
+
+def test_autocast_cuda_without_bf16_falls_back_to_fp16(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    info = resolve_autocast()
+    assert info == AutocastInfo(
+        True, "cuda", torch.float16, True,
+        "bfloat16 unsupported on this cuda device; falling back to float16",
+    )  # fmt: skip
+    assert resolve_autocast(torch.float16, device="cuda:0").needs_grad_scaler
+    with (
+        pytest.warns(UserWarning, match=r"GradScaler\('cuda'\)") as record,
+        autocast_if_available(device="cuda") as entered,
+    ):
+        assert torch.is_autocast_enabled("cuda")
+        assert torch.get_autocast_dtype("cuda") == torch.float16
+    assert entered == info and not torch.is_autocast_enabled("cuda")
+    assert record[0].filename == __file__  # the warning points at the caller's `with`
+
+
+def test_autocast_restores_on_exception() -> None:
+    before = snapshot(nn.Linear(1, 1))
+    run(autocast_if_available(device="cpu"), fail=True)
+    assert snapshot(nn.Linear(1, 1)) == before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"dtype": "bf16"}, "dtype must be a torch.dtype"), ({"device": 0}, "device must be")],
+)
+def test_autocast_bad_input(kwargs, match: str) -> None:
+    with pytest.raises(TypeError, match=match), autocast_if_available(**kwargs):
+        pass
+
+
+# ----------------------------------------------------------------- the seed's training loop
+
+
+def test_seed_training_loop_runs_as_written(capsys) -> None:
+    guard = pytest.importorskip("isotrain.guard")
+    safe_backward = guard.safe_backward
+    torch.manual_seed(0)
+    model = Net(p_drop=0.1)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = None
+    train_loader = [(torch.randn(4, 8), torch.randint(0, 3, (4,))) for _ in range(4)]
+    val_loader = train_loader[:2]
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def compute_val_loss(m: nn.Module, loader: list) -> torch.Tensor:
+        return torch.stack([m(x, y) for x, y in loader]).mean()
+
+    for step, (x, y) in enumerate(train_loader):
+        with autocast_if_available():
+            loss = model(x, y)
+        assert safe_backward(loss, optimizer, scaler)
+        if step % 2 == 0:
+            with eval_mode(model) as m:
+                val_loss = compute_val_loss(m, val_loader)
+            print(f"step {step}: train={loss:.4f}, val={val_loss:.4f}")  # noqa: T201
+
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(
+        re.fullmatch(r"step \d: train=\d\.\d{4}, val=\d\.\d{4}", s) for s in lines
+    )
+    assert model.training and not val_loss.requires_grad
+    assert not any(torch.equal(p, q) for p, q in zip(model.parameters(), start, strict=True))
+
+
+def test_import_does_not_load_the_trainer() -> None:
+    code = (
+        "import sys, isotrain.contexts, isotrain.audit; "
+        "assert not any(k.startswith('isotrain.train') for k in sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
