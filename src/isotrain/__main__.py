@@ -1,0 +1,7 @@
+"""`python -m isotrain ...` (what `torchrun -m isotrain train` runs)."""
+
+import sys
+
+from isotrain.train.cli import main
+
+sys.exit(main())

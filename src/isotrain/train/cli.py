@@ -1,0 +1,106 @@
+"""`isotrain train | sample`: argument parsing and wiring only.
+
+Flags come from the config dataclasses through tyro; precedence is
+preset < `--config FILE.toml` < flags. User errors print one clear line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import tyro
+
+from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml
+from isotrain.train.data import DataError
+from isotrain.train.snapshot import SnapshotError
+
+__all__ = ["main"]
+
+USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
+
+
+def parse_train_args(argv: Sequence[str]) -> TrainConfig:
+    """Resolve preset, TOML file and flags into one TrainConfig."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(list(argv))
+    cfg = PRESETS[known.preset]()
+    if known.config:
+        cfg = apply_toml(cfg, known.config)
+    desc = (
+        "Train the GPT. Presets: " + ", ".join(sorted(PRESETS)) + " (--preset NAME, default "
+        "tiny); --config FILE.toml overlays a TOML file; flags override both."
+    )
+    return tyro.cli(TrainConfig, default=cfg, args=rest, prog="isotrain train", description=desc)
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    from isotrain.train.loop import train
+
+    cfg = parse_train_args(argv)
+    train(cfg)
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleArgs:
+    """Generate text from a trained run."""
+
+    run: str
+    """Run directory holding snapshots (from `isotrain train --out-dir`)."""
+    prompt: str = "def "
+    """Text to continue."""
+    tokens: int = 200
+    """Number of bytes to generate."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 picks the most likely byte."""
+    top_k: int | None = 50
+    """Sample among the k most likely bytes (None: all)."""
+    seed: int = 0
+    """Seed of the sampling generator (the global RNG is never touched)."""
+    which: Literal["latest", "best"] = "latest"
+    """Snapshot to load: the newest or the best-validation one."""
+
+
+def cmd_sample(argv: Sequence[str]) -> int:
+    from isotrain.train.loop import load_model, sample
+
+    args = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
+    model = load_model(args.run, which=args.which)
+    text = sample(
+        model,
+        args.prompt,
+        args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    sys.stdout.write(args.prompt + text + "\n")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "sample": cmd_sample}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `isotrain` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: isotrain {" + ",".join(COMMANDS) + "} [--help] [options]"
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(usage + "\n")
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        sys.stderr.write(f"isotrain: unknown command {argv[0]!r}\n{usage}\n")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except USER_ERRORS as e:
+        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        return 2

@@ -1,0 +1,330 @@
+"""Trainer configuration: frozen dataclasses (the single source of truth), presets, validation.
+
+Every field carries its help text as an attribute docstring; tyro turns each field into a CLI
+flag (`--model.d-model 256`). Precedence: preset < TOML file < flags. `validate` raises a
+`ConfigError` naming the flag, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "PRESETS",
+    "CheckpointingConfig",
+    "CompileConfig",
+    "ConfigError",
+    "DataConfig",
+    "GuardConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "QuantConfig",
+    "SnapshotConfig",
+    "TrainConfig",
+    "apply_toml",
+    "flag",
+    "validate",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the flag, the value and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the GPT. Changing any of these makes a snapshot incompatible."""
+
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block; must divide d_model."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    block_size: int = 256
+    """Context length in tokens (bytes for the default tokenizer)."""
+    vocab_size: int = 256
+    """Vocabulary size: 256 for the byte tokenizer; raise it for pre-tokenized uint16 data."""
+    dropout: float = 0.0
+    """Dropout probability in attention and MLP outputs."""
+    bias: bool = True
+    """Use biases in Linear and LayerNorm layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from and how batches are drawn."""
+
+    path: str | None = None
+    """Text file, directory of text files, or .bin/.npy token array; None uses the stdlib corpus."""
+    max_bytes: int = 4_000_000
+    """Byte budget for the default corpus (and for text files/directories)."""
+    val_fraction: float = 0.1
+    """Share of the data held out for validation (by file for directories)."""
+    bin_dtype: Literal["uint8", "uint16"] = "uint16"
+    """Element type of a raw .bin token file (.npy files carry their own)."""
+    batch_size: int = 16
+    """Sequences per micro-batch on each rank."""
+    buckets: tuple[int, ...] = ()
+    """Variable-length mode: pad documents to these lengths (empty = fixed-length windows)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 2e-3
+    """Peak learning rate after warmup."""
+    min_lr: float = 2e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 50
+    """Steps of linear warmup from 0 to lr."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices (never on biases, norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointingConfig:
+    """Activation checkpointing (isotrain.checkpointing)."""
+
+    policy: str = "none"
+    """none | full | every:K | selective | budget:BYTES (e.g. budget:200MB)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """torch.compile (isotrain.compile)."""
+
+    enabled: bool = False
+    """Compile the model; falls back to eager with one warning where compiling is impossible."""
+    mode: str | None = None
+    """torch.compile mode: None, default, reduce-overhead, max-autotune."""
+    regional: bool = True
+    """Compile each block in place (fast warm-up) instead of the whole model."""
+    backend: str = "inductor"
+    """torch.compile backend (inductor, aot_eager, eager)."""
+    fail_on_recompile: bool = False
+    """After warm-up, raise on any recompilation instead of silently recompiling."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardConfig:
+    """Non-finite and spike guard (isotrain.guard)."""
+
+    enabled: bool = True
+    """Skip updates whose loss or gradient is non-finite or spikes, without host syncs."""
+    spike_k: float = 6.0
+    """Skip when loss or grad norm exceeds mean + k * std of the recent window (0 disables)."""
+    spike_window: int = 128
+    """Number of recent applied steps in the spike window."""
+    rollback_after: int = 0
+    """Roll back to the last good copy after this many consecutive skips (0 disables)."""
+    inject_nan_at: tuple[int, ...] = ()
+    """Fault injection: make the loss NaN at these steps, to watch the guard work."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """Quantization-aware training through straight-through estimators (isotrain.autograd)."""
+
+    bits: int = 0
+    """Fake-quantize Linear weights to this many bits (0 = full precision)."""
+    activations: bool = False
+    """Also fake-quantize the inputs of Linear layers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotConfig:
+    """Snapshots (resumable training state) in the run directory."""
+
+    every: int = 0
+    """Write a snapshot every N steps (0 = only at the end)."""
+    keep: int = 2
+    """Keep the last K periodic snapshots (plus the best-validation one)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Distributed training under torchrun."""
+
+    mode: Literal["none", "ddp", "fsdp"] = "none"
+    """none (one process), ddp, or fsdp (FSDP2); launch with torchrun for ddp/fsdp."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run needs; stored in every snapshot and metrics file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    steps: int = 600
+    """Optimizer steps to train for."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    eval_every: int = 100
+    """Evaluate on the validation split every N steps (and at the end)."""
+    eval_batches: int = 8
+    """Validation batches per evaluation (a fixed set, the same every time)."""
+    log_every: int = 10
+    """Write a metrics record and refresh the display every N steps."""
+    sample_tokens: int = 200
+    """Bytes to sample from the model at the end of training (0 = none)."""
+    seed: int = 1337
+    """Seed for initialisation, batches and dropout."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Autocast precision; fp16 adds a GradScaler."""
+    out_dir: str = "runs/default"
+    """Run directory: metrics, snapshots, plots."""
+    resume: str | None = None
+    """Continue the run in this directory (replaces --out-dir); fails if it has no snapshot."""
+    auto_resume: bool = True
+    """Continue automatically when --out-dir holds a snapshot; False refuses such a directory."""
+    progress: bool = True
+    """Show a live progress display on the terminal."""
+
+
+def _tiny() -> TrainConfig:
+    """The CPU default: about 0.8M parameters, a few minutes on two laptop cores."""
+    return TrainConfig()
+
+
+def _small() -> TrainConfig:
+    """A bigger model for a GPU or a patient CPU."""
+    return TrainConfig(
+        model=ModelConfig(n_layer=6, n_head=6, d_model=384, block_size=256, dropout=0.1),
+        optim=OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=100),
+        steps=2000,
+        eval_every=250,
+    )
+
+
+def _smoke() -> TrainConfig:
+    """Seconds-long run for tests and a quick look."""
+    return TrainConfig(
+        model=ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32),
+        data=DataConfig(max_bytes=200_000, batch_size=4),
+        optim=OptimConfig(warmup_steps=2),
+        steps=8,
+        eval_every=4,
+        eval_batches=2,
+        log_every=2,
+        sample_tokens=16,
+        progress=False,
+    )
+
+
+PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": _tiny, "small": _small, "smoke": _smoke}
+
+
+def flag(path: str) -> str:
+    """The CLI flag for a dotted field path: `model.d_model` -> `--model.d-model`."""
+    return "--" + path.replace("_", "-")
+
+
+def _replace_nested(obj: Any, updates: dict[str, Any], prefix: str) -> Any:
+    """Return a copy of dataclass `obj` with `updates` applied, recursing into sections."""
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    changes: dict[str, Any] = {}
+    for key, value in updates.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise ConfigError(f"unknown setting '{prefix}{key}' in the TOML file; see --help")
+        current = getattr(obj, name)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{prefix}{key}' is a section: write it as [{prefix}{key}]")
+            changes[name] = _replace_nested(current, value, f"{prefix}{name}.")
+        else:
+            changes[name] = tuple(value) if isinstance(value, list) else value
+    return dataclasses.replace(obj, **changes)
+
+
+def apply_toml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
+    """Overlay a TOML file (sections named like the flags: [model], [optim], ...) on `cfg`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML ({e})") from e
+    return _replace_nested(cfg, data, "")
+
+
+def _check(ok: bool, path: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag(path)} {value!r} is invalid: {fix}")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every field that can be wrong on its own or in combination; return cfg unchanged."""
+    m, d, o = cfg.model, cfg.data, cfg.optim
+    for path, value in [
+        ("model.n_layer", m.n_layer),
+        ("model.n_head", m.n_head),
+        ("model.d_model", m.d_model),
+        ("model.block_size", m.block_size),
+        ("model.vocab_size", m.vocab_size),
+        ("data.batch_size", d.batch_size),
+        ("data.max_bytes", d.max_bytes),
+        ("steps", cfg.steps),
+        ("grad_accum", cfg.grad_accum),
+        ("eval_every", cfg.eval_every),
+        ("eval_batches", cfg.eval_batches),
+        ("log_every", cfg.log_every),
+    ]:
+        _check(value > 0, path, value, "it must be a positive integer")
+    _check(
+        m.d_model % m.n_head == 0,
+        "model.d_model",
+        m.d_model,
+        f"it must be divisible by --model.n-head ({m.n_head}); try {m.n_head * 32}",
+    )
+    _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "use a value in [0, 1)")
+    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "use (0, 1)")
+    _check(o.lr > 0, "optim.lr", o.lr, "the learning rate must be positive")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, "use 0 <= min_lr <= lr")
+    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "use 0 or more")
+    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use 0 or more")
+    _check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "use 0 (off) or a positive norm")
+    for path, beta in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)]:
+        _check(0.0 <= beta < 1.0, path, beta, "use a value in [0, 1)")
+    _check(cfg.sample_tokens >= 0, "sample_tokens", cfg.sample_tokens, "use 0 or more")
+    _check(cfg.snapshot.every >= 0, "snapshot.every", cfg.snapshot.every, "use 0 or more")
+    _check(cfg.snapshot.keep >= 1, "snapshot.keep", cfg.snapshot.keep, "keep at least 1")
+    _check(
+        all(0 < b <= m.block_size for b in d.buckets),
+        "data.buckets",
+        d.buckets,
+        f"every bucket must be in 1..--model.block-size ({m.block_size})",
+    )
+    _check(0 <= cfg.quant.bits <= 16, "quant.bits", cfg.quant.bits, "use 0 (off) or 1..16")
+    _check(cfg.guard.spike_k >= 0, "guard.spike_k", cfg.guard.spike_k, "use 0 (off) or > 0")
+    _check(cfg.guard.spike_window >= 2, "guard.spike_window", cfg.guard.spike_window, "use >= 2")
+    return cfg

@@ -1,0 +1,337 @@
+"""The training loop: `TrainState`, `setup`, `train_step`, `evaluate`, `sample`, `train`.
+
+Users with a loop of their own call the same small functions. The step makes no host-device
+sync: loss, gradient norm and skip decision stay on the device until a log step reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
+from isotrain.train import data as data_mod
+from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate
+from isotrain.train.model import GPT, GPTConfig
+from isotrain.train.optim import build_optimizer, lr_at, set_lr
+from isotrain.train.parallel import (
+    DistInfo,
+    all_reduce_mean,
+    init_distributed,
+    no_grad_sync,
+    wrap_model,
+)
+from isotrain.train.report import MetricsWriter, Reporter
+from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
+from isotrain.train.snapshot import find_snapshots, load_snapshot
+from isotrain.train.updater import Updater, build_updater
+
+__all__ = [
+    "Run",
+    "TrainState",
+    "build_model",
+    "evaluate",
+    "load_model",
+    "sample",
+    "setup",
+    "train",
+    "train_step",
+]
+
+
+@dataclass
+class TrainState:
+    """The counters a resumed run continues from (tensors live in the snapshot beside them)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    best_val: float = math.inf
+    last_val: float | None = None
+
+
+@dataclass
+class Run:
+    """Everything `setup` builds. `model` is the raw module (sampling, snapshots);
+    `train_model` is what the step calls (checkpointed, compiled, DDP/FSDP-wrapped)."""
+
+    cfg: TrainConfig
+    dist: DistInfo
+    corpus: data_mod.Corpus
+    model: GPT
+    train_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    updater: Updater
+    state: TrainState = field(default_factory=TrainState)
+    compile_seconds: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> int:
+        c = self.cfg
+        return c.data.batch_size * c.model.block_size * c.grad_accum * self.dist.world_size
+
+
+def build_model(cfg: TrainConfig) -> GPT:
+    """The GPT of `cfg.model` (on the CPU, in fp32)."""
+    m = cfg.model
+    return GPT(
+        GPTConfig(
+            vocab_size=m.vocab_size,
+            block_size=m.block_size,
+            n_layer=m.n_layer,
+            n_head=m.n_head,
+            d_model=m.d_model,
+            dropout=m.dropout,
+            bias=m.bias,
+        )
+    )
+
+
+def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
+    """The precision context for forward passes; fp32 means none."""
+    if run.cfg.precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if run.cfg.precision == "bf16" else torch.float16
+    return autocast_if_available(dtype, device=run.dist.device)
+
+
+def setup(cfg: TrainConfig) -> Run:
+    """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule."""
+    validate(cfg)
+    info = init_distributed(cfg.parallel.mode, cfg.device)
+    corpus = data_mod.load_corpus(
+        cfg.data.path,
+        max_bytes=cfg.data.max_bytes,
+        val_fraction=cfg.data.val_fraction,
+        vocab_size=cfg.model.vocab_size,
+        bin_dtype=cfg.data.bin_dtype,
+    )
+    data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
+    model = build_model(cfg).to(info.device)
+    train_model = wrap_model(model, cfg.parallel.mode, info)
+    optimizer = build_optimizer(model, cfg.optim)
+    updater = build_updater(cfg, model, optimizer, info)
+    return Run(cfg, info, corpus, model, train_model, optimizer, updater)
+
+
+def train_step(run: Run) -> Any:
+    """One optimizer step over `grad_accum` micro-batches; returns the device-side outcome."""
+    cfg, st = run.cfg, run.state
+    loss_sum = torch.zeros((), device=run.dist.device)
+    for micro in range(cfg.grad_accum):
+        x, y = data_mod.get_batch(
+            run.corpus.train,
+            batch_size=cfg.data.batch_size,
+            block_size=cfg.model.block_size,
+            seed=cfg.seed,
+            step=st.step,
+            micro=micro,
+            rank=run.dist.rank,
+            world_size=run.dist.world_size,
+        )
+        x, y = x.to(run.dist.device), y.to(run.dist.device)
+        last = micro == cfg.grad_accum - 1
+        with no_grad_sync(run.train_model, sync=last), _autocast(run):
+            loss = run.train_model(x, y) / cfg.grad_accum
+        run.updater.backward(loss)
+        loss_sum += loss.detach()
+    set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps))
+    outcome = run.updater.step(loss_sum, st.step)
+    st.step += 1
+    st.tokens_seen += run.tokens_per_step
+    return outcome
+
+
+def evaluate(run: Run) -> float:
+    """Mean validation loss over a fixed set of batches, averaged over ranks."""
+    cfg = run.cfg
+    total = torch.zeros((), device=run.dist.device)
+    with eval_mode(run.train_model), rng_isolated():
+        for i in range(cfg.eval_batches):
+            x, y = data_mod.get_batch(
+                run.corpus.val,
+                batch_size=cfg.data.batch_size,
+                block_size=cfg.model.block_size,
+                seed=cfg.seed,
+                step=i,
+                rank=run.dist.rank,
+                world_size=run.dist.world_size,
+                stream=data_mod.VAL,
+            )
+            with _autocast(run):
+                total += run.train_model(x.to(run.dist.device), y.to(run.dist.device)).float()
+    return float(all_reduce_mean(total / cfg.eval_batches))  # sync: evaluation result
+
+
+def sample(
+    model: GPT,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    """Text generated from `prompt`; leaves modes and every global RNG as they were."""
+    tok = data_mod.ByteTokenizer()
+    device = next(model.parameters()).device
+    idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with eval_mode(model):
+        out = model.generate(
+            idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen
+        )
+    return tok.decode(out[0, idx.size(1) :])
+
+
+def load_model(run_dir: str, *, which: str = "latest") -> GPT:
+    """The GPT of a run's snapshot, on the CPU, ready for `sample`."""
+    payload, _ = load_snapshot(run_dir, which=which)
+    cfg = TrainConfig(model=ModelConfig(**payload["config"]["model"]))
+    model = build_model(cfg)
+    model.load_state_dict(payload["model"])
+    return model
+
+
+def _log(
+    run: Run, reporter: Reporter, metrics: MetricsWriter, outcome: Any, dt: float, steps: int
+) -> None:
+    """Read the step outcome (the one sync of a log step) and write it everywhere."""
+    rec = run.updater.read(outcome)  # sync: log step only
+    tps = steps * run.tokens_per_step / max(dt, 1e-9)
+    lr = run.optimizer.param_groups[0]["lr"]
+    metrics.write(
+        "train",
+        step=run.state.step,
+        lr=lr,
+        tokens_per_s=tps,
+        tokens_seen=run.state.tokens_seen,
+        **rec,
+    )
+    skipped = rec.get("skipped_total", 0)
+    reporter.advance(
+        run.state.step,
+        f"loss {rec['loss']:.4f} lr {lr:.2e} {tps:,.0f} tok/s skipped {skipped}",
+    )
+
+
+def _evaluate_and_record(
+    run: Run, reporter: Reporter, metrics: MetricsWriter, baseline: float
+) -> None:
+    val = evaluate(run)
+    st = run.state
+    st.last_val, st.best_val = val, min(st.best_val, val)
+    metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline)
+    reporter.line(
+        f"step {st.step:>6}: val loss {val:.4f} nats/byte (unigram baseline {baseline:.4f})"
+    )
+
+
+def _start(cfg: TrainConfig) -> Run:
+    """Setup, then resume when the run directory holds a snapshot (or `--resume` asks)."""
+    if cfg.resume is not None:
+        cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
+    run = setup(cfg)
+    has_snapshot = bool(find_snapshots(cfg.out_dir))
+    if has_snapshot and not cfg.auto_resume and cfg.resume is None:
+        raise ConfigError(
+            f"--out-dir {cfg.out_dir} already holds a run; pass --resume {cfg.out_dir} to "
+            "continue it, or choose another --out-dir"
+        )
+    maybe_resume(run, required=cfg.resume is not None)
+    return run
+
+
+def train(cfg: TrainConfig) -> TrainState:
+    """Train end to end: setup or resume, then evaluate / snapshot / step / log, then finish."""
+    with rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
+        run = _start(cfg)
+        cfg, st, main = run.cfg, run.state, run.dist.is_main
+        metrics = MetricsWriter(Path(cfg.out_dir), enabled=main)
+        metrics.write("config", step=st.step, config=dataclasses.asdict(cfg))
+        baseline = data_mod.unigram_entropy(run.corpus)
+        first = st.step
+        with Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter:
+            reporter.header(cfg, _facts(run, first))
+            timer = _Timer(st.step)
+            while st.step < cfg.steps and not stop:
+                if st.step != first:
+                    with timer.paused():
+                        if st.step % cfg.eval_every == 0:
+                            _evaluate_and_record(run, reporter, metrics, baseline)
+                        if cfg.snapshot.every and st.step % cfg.snapshot.every == 0:
+                            save_run(run)
+                outcome = train_step(run)
+                if st.step % cfg.log_every == 0 or st.step == cfg.steps:
+                    _log(run, reporter, metrics, outcome, *timer.lap(st.step))
+            if stop:
+                reporter.line(f"signal {stop.signal}: snapshot at step {st.step}, then exit")
+                save_run(run)
+                return st
+            _evaluate_and_record(run, reporter, metrics, baseline)
+            _finish(run, reporter, metrics, baseline, timer.total)
+        return st
+
+
+def _facts(run: Run, first: int) -> list[str]:
+    lines = [
+        run.corpus.describe(),
+        f"model: {run.model.num_params():,} parameters",
+        f"device: {run.dist.device}, world size {run.dist.world_size}",
+    ]
+    return lines + ([f"resumed at step {first}"] if first else [])
+
+
+class _Timer:
+    """Wall time of training steps only: evaluation and snapshots are paused out."""
+
+    def __init__(self, step: int) -> None:
+        self.t0, self.step, self.total = time.perf_counter(), step, 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self.total += time.perf_counter() - self.t0
+        try:
+            yield
+        finally:
+            self.t0 = time.perf_counter()
+
+    def lap(self, step: int) -> tuple[float, int]:
+        """Seconds and steps since the last lap."""
+        now = time.perf_counter()
+        dt, n = now - self.t0, step - self.step
+        self.total += dt
+        self.t0, self.step = now, step
+        return dt, n
+
+
+def _finish(
+    run: Run, reporter: Reporter, metrics: MetricsWriter, baseline: float, train_time: float
+) -> None:
+    """Final snapshot, a sample, and the summary."""
+    cfg, st = run.cfg, run.state
+    save_run(run)
+    text = sample(run.model, "def ", cfg.sample_tokens, seed=cfg.seed) if cfg.sample_tokens else ""
+    if text:
+        reporter.line("sample:\n" + "def " + text)
+    summary = {
+        "steps": st.step,
+        "tokens_seen": st.tokens_seen,
+        "val_loss": st.last_val,
+        "best_val_loss": st.best_val,
+        "unigram_baseline": baseline,
+        "train_seconds": train_time,
+        **run.updater.totals(),
+    }
+    metrics.write("summary", **summary)
+    reporter.summary(
+        {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()}
+    )

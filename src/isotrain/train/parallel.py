@@ -1,0 +1,123 @@
+"""torchrun process group, DDP / FSDP2 wrapping, and rank helpers.
+
+isotrain never launches processes itself: `torchrun` sets RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT, and this module reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isotrain.train.config import ConfigError
+
+__all__ = ["DistInfo", "all_reduce_mean", "init_distributed", "no_grad_sync", "wrap_model"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits: its rank, the world size, its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes files and talks to the terminal."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when there are other ranks to agree with."""
+        return self.world_size > 1
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """`auto` is this rank's CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        name = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"--device {name!r} is not a device: use auto, cpu, cuda, cuda:N") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name!r}: this machine has no CUDA device; use --device cpu")
+    return device
+
+
+def init_distributed(mode: str, device_name: str) -> DistInfo:
+    """Join the torchrun process group when launched by torchrun; else a world of one."""
+    present = [v for v in _TORCHRUN_VARS if v in os.environ]
+    if not present:
+        if mode != "none":
+            raise ConfigError(
+                f"--parallel.mode {mode} needs torchrun: "
+                f"torchrun --nproc-per-node 2 -m isotrain train --parallel.mode {mode}"
+            )
+        return DistInfo(0, 1, 0, resolve_device(device_name))
+    missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"the distributed environment is half set: {', '.join(present)} present but "
+            f"{', '.join(missing)} missing; launch with torchrun, or unset them all"
+        )
+    rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    device = resolve_device(device_name, local)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return DistInfo(rank, world, local, device)
+
+
+def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
+    """DDP wraps the whole model; FSDP2 shards each block, then the root (torch's own engine)."""
+    if mode == "ddp":
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    return model
+
+
+@contextlib.contextmanager
+def no_grad_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce for micro-batches before the last one."""
+    if sync:
+        yield
+    elif isinstance(model, nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of `t` over ranks (identity in a world of one); stays on device."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.AVG if t.is_cuda else dist.ReduceOp.SUM)
+        if not t.is_cuda:
+            t /= dist.get_world_size()
+    return t

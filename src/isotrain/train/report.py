@@ -1,0 +1,110 @@
+"""What a run shows and leaves behind: the metrics file, the progress display, the summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+__all__ = ["MetricsWriter", "Reporter", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Inf: write them as strings so the file stays valid JSON lines."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsWriter:
+    """Append-only JSON-lines metrics: one `config` record, then `train`/`eval`/... records."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool = True) -> None:
+        self.path = run_dir / METRICS_FILE
+        self.enabled = enabled
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(self, kind: str, **fields: Any) -> None:
+        """Append one record and flush, so a killed run keeps every record written."""
+        if not self.enabled:
+            return
+        record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All records of a run's metrics file, in order."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file; is {run_dir} a run directory?")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+class Reporter:
+    """Console output of the trainer: header, live progress, evaluation lines, summary.
+
+    Only rank 0 builds an enabled Reporter; the others get `enabled=False` and stay silent.
+    """
+
+    def __init__(self, *, total_steps: int, enabled: bool, live: bool) -> None:
+        self.console = Console(quiet=not enabled, highlight=False)
+        self.enabled = enabled
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not (enabled and live),
+        )
+        self.task = self.progress.add_task("train", total=total_steps, stats="")
+
+    def __enter__(self) -> Reporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def header(self, cfg: Any, lines: list[str]) -> None:
+        """Print the resolved config (as the metrics file stores it) and the run facts."""
+        self.console.print("[bold]isotrain train[/bold]")
+        self.console.print(json.dumps(dataclasses.asdict(cfg)), soft_wrap=True)
+        for line in lines:
+            self.console.print(line)
+
+    def advance(self, step: int, stats: str) -> None:
+        """Move the bar to `step` and show the latest numbers."""
+        self.progress.update(self.task, completed=step, stats=stats)
+
+    def line(self, text: str) -> None:
+        """A line above the bar (evaluations, warnings worth seeing)."""
+        self.console.print(text)
+
+    def summary(self, rows: dict[str, str]) -> None:
+        """The closing table."""
+        table = Table(title="run summary", show_header=False)
+        for key, value in rows.items():
+            table.add_row(key, value)
+        self.console.print(table)

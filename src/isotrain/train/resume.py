@@ -1,0 +1,158 @@
+"""A run's state to and from snapshots: what is saved, what must match on resume, signals.
+
+`snapshot.py` knows files; this module knows what a training run consists of.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import random
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from isotrain.train.config import ConfigError, TrainConfig, flag
+from isotrain.train.report import METRICS_FILE
+from isotrain.train.snapshot import find_snapshots, load_snapshot, save_snapshot
+
+if TYPE_CHECKING:
+    from isotrain.train.loop import Run
+
+__all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]
+
+log = logging.getLogger(__name__)
+
+# Settings that define tensor shapes: a snapshot cannot be loaded across a change of these.
+SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "bias")
+
+
+def _rng_state() -> dict[str, Any]:
+    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(s, i)
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def save_run(run: Run) -> Path | None:
+    """Snapshot everything the run needs to continue bit for bit (rank 0 writes)."""
+    if not run.dist.is_main:
+        return None
+    st = run.state
+    payload = {
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "updater": run.updater.state_dict(),
+        "train_state": dataclasses.asdict(st),
+        "rng": _rng_state(),
+        "config": dataclasses.asdict(run.cfg),
+    }
+    return save_snapshot(
+        run.cfg.out_dir, payload, step=st.step, val_loss=st.last_val, keep=run.cfg.snapshot.keep
+    )
+
+
+def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """Refuse shape changes; return the other changed settings (they are logged)."""
+    for name in SHAPE_FIELDS:
+        old, new = saved["model"][name], getattr(cfg.model, name)
+        if old != new:
+            raise ConfigError(
+                f"cannot resume: {flag('model.' + name)} is {new!r} but the snapshot was "
+                f"trained with {old!r}; pass {flag('model.' + name)} {old!r} or a new --out-dir"
+            )
+    return _diff(saved, dataclasses.asdict(cfg), "")
+
+
+def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
+    out = []
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict):
+            out += _diff(before or {}, value, f"{prefix}{key}.")
+        elif (list(before) if isinstance(before, (list, tuple)) else before) != (
+            list(value) if isinstance(value, (list, tuple)) else value
+        ):
+            out.append(f"{flag(prefix + key)}: {before!r} -> {value!r}")
+    return out
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop records a crashed run wrote after the snapshot it resumes from."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    keep = [
+        ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(ln + "\n" for ln in keep))
+    tmp.replace(path)
+
+
+def maybe_resume(run: Run, *, required: bool) -> bool:
+    """Continue from the run directory's newest intact snapshot, if it has one."""
+    out = Path(run.cfg.out_dir)
+    if not find_snapshots(out):
+        if required:
+            raise ConfigError(f"--resume {out}: no snapshot there to resume from")
+        return False
+    payload, path = load_snapshot(out)
+    changes = check_compatible(payload["config"], run.cfg)
+    run.model.load_state_dict(payload["model"])
+    run.optimizer.load_state_dict(payload["optimizer"])
+    run.updater.load_state_dict(payload["updater"])
+    for key, value in payload["train_state"].items():
+        setattr(run.state, key, value)
+    _set_rng_state(payload["rng"])
+    if run.dist.is_main:
+        _truncate_metrics(out, run.state.step)
+    for change in changes:
+        log.warning("changed on resume: %s", change)
+    log.info("resumed from %s at step %d", path, run.state.step)
+    return True
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checks it between steps and snapshots before exiting."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopFlag]:
+    """Turn SIGTERM and SIGINT into a StopFlag for the block; restore the old handlers after."""
+    flag_ = StopFlag()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag_
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: object) -> None:
+        if flag_:  # a second signal: the user insists, stop now
+            raise KeyboardInterrupt
+        flag_.signal = signum
+
+    try:
+        for s in old:
+            signal.signal(s, handler)
+        yield flag_
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
