@@ -7,6 +7,7 @@ training needs no download anywhere. Batch k on rank r is a pure function of
 
 from __future__ import annotations
 
+import functools
 import logging
 import sysconfig
 from dataclasses import dataclass
@@ -97,6 +98,13 @@ def _read_files(
     return bytes(train), bytes(val)
 
 
+@functools.cache
+def _stdlib_files() -> tuple[Path, tuple[Path, ...]]:
+    """The interpreter's stdlib `.py` files in sorted path order (listed once per process)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return root, tuple(sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts))
+
+
 def _split_tail(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """Split one array: the last `fraction` is validation."""
     cut = len(tokens) - int(len(tokens) * fraction)
@@ -138,9 +146,8 @@ def load_corpus(
 ) -> Corpus:
     """Load the corpus named by `--data.path` (None: the stdlib sources) as token arrays."""
     if path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        files = sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts)
-        train, val = _read_files(files, max_bytes, val_fraction, "stdlib corpus", quiet=True)
+        root, files = _stdlib_files()
+        train, val = _read_files(list(files), max_bytes, val_fraction, "stdlib corpus", quiet=True)
         source = f"Python stdlib sources ({root})"
     else:
         p = Path(path).expanduser()

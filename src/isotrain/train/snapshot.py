@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,13 @@ def _verify(snap: Path) -> dict[str, Any]:
     state = snap / "state.pt"
     if not state.is_file() or _sha256(state) != meta.get("sha256"):
         raise SnapshotError(f"{snap}: state.pt is missing or its checksum does not match")
-    payload = torch.load(state, map_location="cpu", weights_only=True)
+    try:
+        payload = torch.load(state, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise SnapshotError(
+            f"{snap}: state.pt holds something other than tensors and plain data, which "
+            f"isotrain never loads (weights_only=True): {str(e).splitlines()[-1]}"
+        ) from e
     if payload.get("format_version") != FORMAT_VERSION:
         raise SnapshotError(
             f"{snap}: format version {payload.get('format_version')} is not "

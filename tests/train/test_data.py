@@ -1,0 +1,107 @@
+"""Corpus loading, tokenizer, the step-indexed sampler, and the errors users see."""
+
+import numpy as np
+import pytest
+import torch
+
+from isotrain.train import data as D
+
+
+def test_byte_tokenizer_round_trips_any_utf8() -> None:
+    tok = D.ByteTokenizer()
+    text = "héllo wörld ✓ 日本語 \x00 \U0001f600"
+    assert tok.decode(tok.encode(text), errors="strict") == text
+    assert max(tok.encode(text)) < 256
+
+
+def test_default_corpus_is_stdlib_sources_split_by_file() -> None:
+    c = D.load_corpus(None, max_bytes=300_000, val_fraction=0.1)
+    assert "stdlib" in c.source
+    assert 250_000 <= len(c.train) + len(c.val) <= 300_000
+    assert len(c.val) > 0
+    assert b"def " in bytes(c.train[:100_000])
+    again = D.load_corpus(None, max_bytes=300_000, val_fraction=0.1)
+    assert np.array_equal(c.train, again.train)
+
+
+def test_text_file_and_directory(tmp_path) -> None:
+    f = tmp_path / "a.txt"
+    f.write_text("abc" * 1000)
+    c = D.load_corpus(str(f), max_bytes=10**6, val_fraction=0.1)
+    assert len(c.train) == 2700 and len(c.val) == 300
+    d = tmp_path / "dir"
+    d.mkdir()
+    for i in range(10):
+        (d / f"{i}.txt").write_text(str(i) * 100)
+    c = D.load_corpus(str(d), max_bytes=10**6, val_fraction=0.1)
+    assert len(c.val) == 100 and len(c.train) == 900
+
+
+def test_token_arrays_are_memory_mapped(tmp_path) -> None:
+    ids = np.arange(5000, dtype=np.uint16) % 1000
+    np.save(tmp_path / "t.npy", ids)
+    ids.tofile(tmp_path / "t.bin")
+    for name in ("t.npy", "t.bin"):
+        c = D.load_corpus(str(tmp_path / name), max_bytes=1, val_fraction=0.2, vocab_size=1000)
+        assert isinstance(c.train.base, np.memmap) or isinstance(c.train, np.memmap)
+        assert len(c.train) == 4000 and int(c.val[-1]) == 4999 % 1000
+
+
+def test_missing_path_is_a_clear_error() -> None:
+    with pytest.raises(D.DataError, match="--data.path /no/such: no such file or directory"):
+        D.load_corpus("/no/such", max_bytes=100, val_fraction=0.1)
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(D.DataError, match="the corpus is empty"):
+        D.load_corpus(str(tmp_path / "empty.txt"), max_bytes=100, val_fraction=0.1)
+
+
+def test_corpus_shorter_than_a_block_is_a_clear_error(tmp_path) -> None:
+    (tmp_path / "short.txt").write_text("x" * 100)
+    c = D.load_corpus(str(tmp_path / "short.txt"), max_bytes=1000, val_fraction=0.1)
+    with pytest.raises(
+        D.DataError, match=r"val split .* has 10 tokens per rank, fewer than one block \(32 \+ 1\)"
+    ):
+        D.require_length(c, 32)
+
+
+def test_token_id_beyond_vocab_is_a_clear_error(tmp_path) -> None:
+    np.save(tmp_path / "t.npy", np.array([1, 2, 700], dtype=np.uint16))
+    with pytest.raises(
+        D.DataError, match="token id 700 >= vocabulary size 256; pass --model.vocab-size 701"
+    ):
+        D.load_corpus(str(tmp_path / "t.npy"), max_bytes=1, val_fraction=0.1)
+
+
+def test_wrong_array_dtype_is_a_clear_error(tmp_path) -> None:
+    np.save(tmp_path / "t.npy", np.zeros(10, dtype=np.float32))
+    with pytest.raises(D.DataError, match="expected a 1-D uint8 or uint16 token array"):
+        D.load_corpus(str(tmp_path / "t.npy"), max_bytes=1, val_fraction=0.1)
+
+
+def test_batches_are_a_pure_function_of_seed_step_micro_rank() -> None:
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(batch_size=4, block_size=8, seed=1)
+    x1, y1 = D.get_batch(tokens, step=3, micro=1, **kw)
+    x2, y2 = D.get_batch(tokens, step=3, micro=1, **kw)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # targets are inputs shifted by one
+    x3, _ = D.get_batch(tokens, step=4, micro=1, **kw)
+    assert not torch.equal(x1, x3)
+
+
+def test_ranks_draw_from_disjoint_shards() -> None:
+    tokens = np.arange(10_000, dtype=np.uint16)
+    kw = dict(batch_size=16, block_size=8, seed=1, step=0, world_size=2)
+    x0, y0 = D.get_batch(tokens, rank=0, **kw)
+    x1, y1 = D.get_batch(tokens, rank=1, **kw)
+    assert int(y0.max()) < 5000 <= int(x1.min())
+
+
+def test_unigram_baseline_matches_a_direct_computation() -> None:
+    c = D.Corpus(np.array([0, 0, 1, 1], np.uint8), np.array([0, 1], np.uint8), "t", 4)
+    p = np.array([3, 3, 1, 1]) / 8  # add-one counts
+    expected = -(np.log(p[0]) + np.log(p[1])) / 2
+    assert D.unigram_entropy(c) == pytest.approx(expected)
