@@ -95,8 +95,8 @@ def test_batches_are_a_pure_function_of_seed_step_micro_rank() -> None:
 def test_ranks_draw_from_disjoint_shards() -> None:
     tokens = np.arange(10_000, dtype=np.uint16)
     kw = dict(batch_size=16, block_size=8, seed=1, step=0, world_size=2)
-    x0, y0 = D.get_batch(tokens, rank=0, **kw)
-    x1, y1 = D.get_batch(tokens, rank=1, **kw)
+    _x0, y0 = D.get_batch(tokens, rank=0, **kw)
+    x1, _y1 = D.get_batch(tokens, rank=1, **kw)
     assert int(y0.max()) < 5000 <= int(x1.min())
 
 

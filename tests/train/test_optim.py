@@ -1,5 +1,7 @@
 """Parameter groups and the LR schedule."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_schedule_warmup_peak_and_floor() -> None:
     assert lr_at(100, cfg, 100) == pytest.approx(0.1)
     assert lr_at(500, cfg, 100) == pytest.approx(0.1)
     mids = [lr_at(s, cfg, 100) for s in range(10, 101)]
-    assert all(a >= b for a, b in zip(mids, mids[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(mids))
 
 
 def test_fused_adamw_on_cpu_by_default() -> None:

@@ -55,7 +55,10 @@ def test_resume_is_bit_exact(tmp_path) -> None:
     assert ta.keys() == tb.keys()
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
-    loss = lambda run: {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
+    def loss(run):
+        return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
     la, lb = loss(straight), loss(resumed)
     assert {s: la[s] for s in lb} == lb and max(lb) == 7 and min(lb) == 4
 
@@ -88,7 +91,7 @@ def test_keeps_last_k_plus_best_and_pointer_written_last(tmp_path) -> None:
     names = [p.name for p in find_snapshots(tmp_path)]
     assert names == ["step_0000002", "step_0000003", "step_0000004"]
     assert (tmp_path / "snapshots" / "BEST").read_text() == "step_0000002"
-    best, path = load_snapshot(tmp_path, which="best")
+    best, _path = load_snapshot(tmp_path, which="best")
     assert int(best["x"]) == 2
 
 
