@@ -71,13 +71,16 @@ def scaler_or_none(use: bool) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10) if use else None
 
 
+MODES = [(n, m) for n in OPTIMIZERS for m in ("select", "host", "found_inf") if "fused" in n or m != "found_inf"]  # fmt: skip
+
+
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["fp32", "scaler"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_guarded_run_matches_reference_and_skips_leave_state_identical(name, use_scaler):
+@pytest.mark.parametrize(("name", "mode"), MODES)
+def test_guarded_run_matches_reference_and_skips_leave_state_identical(name, mode, use_scaler):
     model, ref = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
     scaler, ref_scaler = scaler_or_none(use_scaler), scaler_or_none(use_scaler)
-    guard = StepGuard(opt, model, max_norm=0.5, scaler=scaler, spike_k=None)
+    guard = StepGuard(opt, model, max_norm=0.5, scaler=scaler, spike_k=None, skip_mode=mode)
     faults = {1: ("loss", "nan"), 3: ("grad", "inf"), 4: ("loss", "inf")}
     ref_i = 0
     for step in range(6):
@@ -117,12 +120,15 @@ def test_guarded_run_matches_reference_and_skips_leave_state_identical(name, use
         assert guard.summary()["loss_scale"] == 2.0**10 * 0.5**3
 
 
-@pytest.mark.parametrize("name", ["sgd_fused", "adam_forloop", "adamw_fused"])
-def test_skip_at_the_first_step_leaves_no_state(name):
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("sgd_fused", "found_inf"), ("adam_forloop", "select"), ("adamw_fused", "found_inf")],
+)
+def test_skip_at_the_first_step_leaves_no_state(name, mode):
     # torch.optim creates state lazily; fused SGD would even keep an uninitialised momentum buffer.
     model, ref = make_model(), make_model()
     opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
-    guard = StepGuard(opt, model, spike_k=None)
+    guard = StepGuard(opt, model, spike_k=None, skip_mode=mode)
     (loss_of(model, 0) * float("nan")).backward()
     assert guard.step(torch.tensor(float("nan"))).reason.item() == SkipReason.NONFINITE_LOSS
     assert len(opt.state) == 0
@@ -239,8 +245,12 @@ def test_state_dict_round_trip_continues_the_same_window(tmp_path):
 
 
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["fp32", "scaler"])
-@pytest.mark.parametrize("name", ["adam_forloop", "sgd_foreach", "adamw_fused"])
-def test_guard_makes_no_host_sync(name, use_scaler):
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("adam_forloop", "select"), ("sgd_foreach", "select"), ("adamw_fused", "found_inf")],
+)
+def test_guard_makes_no_host_sync(name, mode, use_scaler):
+    # The "select" and "found_inf" modes are the accelerator paths ("auto" picks "host" on CPU).
     # On CPU every tensor is a "device" tensor, so the test patches the host reads
     # (item/bool/float/int/tolist/...) to raise inside the guard's own phases: decision, clip,
     # snapshot, selection, scaler update, counters. For fused optimizers the optimizer step is
@@ -249,7 +259,7 @@ def test_guard_makes_no_host_sync(name, use_scaler):
     model = make_model()
     opt = OPTIMIZERS[name](model.parameters())
     scaler = scaler_or_none(use_scaler)
-    guard = StepGuard(opt, model, scaler=scaler, spike_min_samples=2)
+    guard = StepGuard(opt, model, scaler=scaler, spike_min_samples=2, skip_mode=mode)
     for step in range(3):  # warm up: optimizer state exists, spike window active
         backward(loss_of(model, step), scaler)
         guard.step(loss_of(model, step).detach())
@@ -317,6 +327,9 @@ def test_step_rejects_bad_input():
     loss_of(model, 0).backward()
     with pytest.raises(ValueError, match="needs the scalar"):
         guard.step(torch.ones(3))
+    assert guard.skip_mode == "host"  # auto on CPU
+    with pytest.raises(ValueError, match=r"skip_mode='found_inf' is not available for SGD"):
+        StepGuard(opt, model, skip_mode="found_inf")
     buf = io.BytesIO()
     torch.save({**guard.state_dict(), "version": 99}, buf)
     buf.seek(0)

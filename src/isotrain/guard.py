@@ -176,7 +176,17 @@ class StepOutcome:
 # skip flag, which would sync); applied-only optimizer steps mean a skip never inflates the
 # effective LR (the OLMo-core#309 bug: a skip that forgot `step` gave 2.2x LR).
 #
-# NOTE [where the guard may still sync]
+# NOTE [skip modes]
+# "found_inf" (fused Adam/AdamW/SGD): the GradScaler protocol; the fused kernel skips itself.
+# "select": copy params and optimizer state tensors before the step (one _foreach_copy_ into
+#   reused buffers), run the step, then `torch.where(ok, new, old, out=new)`: any optimizer,
+#   NaN-safe (selection, not multiply-by-0), sync-free.
+# "host": branch on the host and skip `optimizer.step()`. Free when the decision lives in host
+#   memory (CPU training: reading a CPU tensor waits for no device), a sync on accelerators.
+# "auto" = host on CPU, else found_inf for fused optimizers, else select. On CPU, `torch.where`
+# runs at ~3 ns/element (not memory-bound as on GPUs), so select would cost ~2x the update.
+#
+# NOTE [where select / found_inf may still sync]
 # Selection needs the decision on the device of each selected tensor. Three cases need it on
 # the host, and the guard then syncs once (with a one-time warning where it is avoidable):
 # 1. the optimizer creates state lazily this step (its first step, or a param's first grad):
@@ -184,7 +194,7 @@ class StepOutcome:
 # 2. the optimizer keeps non-tensor state that the step changed (custom optimizers);
 # 3. state on another device than the decision: torch's non-fused, non-capturable Adam keeps
 #    `step` on the CPU when params are on CUDA. Use fused=True or capturable=True there.
-# On CPU, case 3 never arises and cases 1-2 end at the first applied step.
+# Case 3 never arises on CPU; cases 1-2 end at the first applied step.
 
 
 class StepGuard:
@@ -212,6 +222,7 @@ class StepGuard:
         spike_window: int = 128,
         spike_min_samples: int = 16,
         process_group: Any = None,
+        skip_mode: str = "auto",
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"StepGuard needs a torch.optim.Optimizer, got {type(optimizer)}")
@@ -228,9 +239,7 @@ class StepGuard:
             raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         dev = self.device = self.params[0].device
-        self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-            g.get("fused") for g in optimizer.param_groups
-        )
+        self.skip_mode = self._resolve_mode(skip_mode, optimizer, dev)
         self.spikes = None
         if spike_k is not None:
             self.spikes = SpikeDetector(
@@ -249,7 +258,7 @@ class StepGuard:
         self._grad_finite: torch.Tensor | None = None
         self._grad_names: list[str] = []
         self._warned: set[str] = set()
-        # Tests set this to guard_recovery.forbid_host_sync, wrapped around the guard's own (sync-free) phases.
+        # Tests set this to guard_recovery.forbid_host_sync; it wraps the sync-free phases.
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
@@ -264,10 +273,16 @@ class StepGuard:
                 ok, reason, loss32, norm_g = self._decide(loss, norm, found_inf)
                 if self.max_norm is not None and grads:
                     nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
-                fresh, host_state = self._snapshot()
-            with self.sync_check() if self.fused else contextlib.nullcontext():
-                self._optimizer_step(ok)
-            self._undo_host_state(ok, fresh, host_state)
+            if self.skip_mode == "host":
+                if bool(ok):  # sync: none on CPU, see NOTE [skip modes]
+                    self.optimizer.step()
+            else:
+                with self.sync_check():
+                    fresh, host_state = self._snapshot()
+                fused = self.skip_mode == "found_inf"
+                with self.sync_check() if fused else contextlib.nullcontext():
+                    self._optimizer_step(ok)
+                self._undo_host_state(ok, fresh, host_state)
             with self.sync_check():
                 self._restore(ok)
                 if self.scaler is not None:
@@ -276,6 +291,20 @@ class StepGuard:
                 self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         return StepOutcome(ok, reason, norm_g, loss32, scale)
+
+    @staticmethod
+    def _resolve_mode(mode: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
+        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+            g.get("fused") for g in optimizer.param_groups
+        )
+        if mode == "auto":
+            return "host" if device.type == "cpu" else "found_inf" if fused else "select"
+        if mode not in ("host", "select", "found_inf") or (mode == "found_inf" and not fused):
+            raise ValueError(
+                f"skip_mode={mode!r} is not available for {type(optimizer).__name__} "
+                f"(fused={fused}): use 'auto', 'select', 'host', or 'found_inf' with fused=True"
+            )
+        return mode
 
     def _unscale(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.scaler is None:
@@ -329,7 +358,7 @@ class StepGuard:
         if found_inf is not None:  # make every rank's GradScaler.update() see the agreed flag
             for t in self.scaler._per_optimizer_states[id(self.optimizer)][
                 "found_inf_per_device"
-            ].values():  # type: ignore[union-attr]  # noqa: E501
+            ].values():  # type: ignore[union-attr]
                 t.copy_(overflow)
         spike = torch.zeros(2, dtype=torch.bool, device=self.device)
         if self.spikes is not None:
@@ -373,7 +402,7 @@ class StepGuard:
                         tensors.append(value)
                     else:
                         host_state.append((state, key, value))
-        if self.fused:
+        if self.skip_mode == "found_inf":
             return fresh, host_state  # the fused kernels honour found_inf themselves
         same = len(tensors) == len(self._snap_src) and all(
             a is b for a, b in zip(tensors, self._snap_src)
@@ -385,7 +414,7 @@ class StepGuard:
         return fresh, host_state
 
     def _optimizer_step(self, ok: torch.Tensor) -> None:
-        if not self.fused:
+        if self.skip_mode == "select":
             self.optimizer.step()
             return
         opt: Any = self.optimizer
@@ -396,7 +425,7 @@ class StepGuard:
             del opt.grad_scale, opt.found_inf
 
     def _restore(self, ok: torch.Tensor) -> None:
-        if self.fused:
+        if self.skip_mode != "select":
             return
         on_device: dict[torch.device, torch.Tensor] = {self.device: ok}
         for cur, old in zip(self._snap_src, self._snap):
@@ -407,7 +436,7 @@ class StepGuard:
                     "decision is copied to the host every step (a sync); use fused=True or "
                     "capturable=True in the optimizer to avoid it",
                 )
-                on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where the guard ...]
+                on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where select ...]
             torch.where(on_device[cur.device], cur, old, out=cur)  # selection, NaN-safe
 
     def _undo_host_state(self, ok: torch.Tensor, fresh: list, host_state: list) -> None:
@@ -418,7 +447,7 @@ class StepGuard:
             return
         if changed:
             self._warn_once("host", "optimizer keeps non-tensor state: each step syncs to undo it")
-        if not bool(ok):  # sync: see NOTE [where the guard may still sync]
+        if not bool(ok):  # sync: see NOTE [where select / found_inf may still sync]
             for p in new:
                 del state[p]
             for s, k, v in changed:
