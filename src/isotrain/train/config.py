@@ -137,7 +137,7 @@ class GuardConfig:
     rollback_after: int = 0
     """Roll back to the last good copy after this many consecutive skips (0 disables)."""
     inject_nan_at: tuple[int, ...] = ()
-    """Fault injection: make the loss NaN at these steps, to watch the guard work."""
+    """Fault injection: make the loss NaN at these steps (numbered as in the logs, from 1)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,9 +141,8 @@ def train_step(run: Run) -> Any:
         last = micro == cfg.grad_accum - 1
         with no_grad_sync(run.train_model, sync=last), _autocast(run):
             loss = run.train_model(x, y) / cfg.grad_accum
-        run.updater.backward(loss)
-        loss_sum += loss.detach()
-    set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps))
+        loss_sum += run.updater.backward(loss, st.step).detach()
+    set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
     outcome = run.updater.step(loss_sum, st.step)
     st.step += 1
     st.tokens_seen += run.tokens_per_step

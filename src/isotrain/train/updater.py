@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from isotrain.guard import StepGuard, StepOutcome
+from isotrain.guard_recovery import FaultInjector, Rollback
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo
 
@@ -21,9 +23,10 @@ __all__ = ["PlainUpdater", "Updater", "build_updater"]
 class Updater(Protocol):
     """The update rule the loop calls; see the module docstring."""
 
-    def backward(self, loss: torch.Tensor) -> None: ...
+    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor: ...
     def step(self, loss: torch.Tensor, step: int) -> Any: ...
     def read(self, outcome: Any) -> dict[str, Any]: ...
+    def lr_factor(self, step: int) -> float: ...
     def totals(self) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -47,8 +50,9 @@ class PlainUpdater:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scaler, self.max_norm = optimizer, scaler, cfg.optim.grad_clip
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss
 
     def step(self, loss: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
         if self.scaler:
@@ -65,6 +69,9 @@ class PlainUpdater:
     def read(self, outcome: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {k: float(v) for k, v in outcome.items()}  # sync: log step only
 
+    def lr_factor(self, step: int) -> float:
+        return 1.0
+
     def totals(self) -> dict[str, Any]:
         return {}
 
@@ -76,9 +83,91 @@ class PlainUpdater:
             self.scaler.load_state_dict(state["scaler"])
 
 
+class GuardedUpdater:
+    """isotrain.guard's StepGuard: non-finite or spiking steps are skipped on the device.
+
+    With `--guard.rollback-after N`, a Rollback restores the last good weights once N
+    consecutive steps were skipped; it is checked at log steps, where the loop syncs anyway.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+        info: DistInfo,
+    ) -> None:
+        g = cfg.guard
+        self.guard = StepGuard(
+            optimizer,
+            model,
+            max_norm=cfg.optim.grad_clip or None,
+            scaler=scaler,
+            spike_k=g.spike_k or None,
+            spike_window=g.spike_window,
+            spike_min_samples=min(16, g.spike_window),
+        )
+        self.scaler = scaler
+        self.inject = FaultInjector(at_steps=g.inject_nan_at) if g.inject_nan_at else None
+        self.rollback = (
+            Rollback(model, optimizer, every=cfg.log_every, patience=g.rollback_after)
+            if g.rollback_after
+            else None
+        )
+
+    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Backward of the (scaled) loss; returns the loss as used, faults injected included."""
+        if self.inject is not None:
+            loss = self.inject.corrupt_loss(loss, step + 1)  # steps as numbered in the logs
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss
+
+    def step(self, loss: torch.Tensor, step: int) -> StepOutcome:
+        return self.guard.step(loss)
+
+    def read(self, outcome: StepOutcome) -> dict[str, Any]:
+        rec = outcome.to_dict()  # sync: log step only
+        s = self.guard.summary()
+        rec.update(skipped_total=s["skipped"], skipped_by_reason=s["skipped_by_reason"])
+        if self.rollback is not None:
+            action = self.rollback.check(self.guard.steps, self.guard)
+            rec["rollbacks"] = self.rollback.rollbacks
+            if action is not None:
+                rec["rolled_back_to"] = action.restored_step
+        return rec
+
+    def lr_factor(self, step: int) -> float:
+        return self.rollback.lr_factor(step) if self.rollback is not None else 1.0
+
+    def totals(self) -> dict[str, Any]:
+        s = self.guard.summary()  # sync: end of run
+        return {
+            "applied_steps": s["applied"],
+            "skipped_steps": s["skipped"],
+            **{f"skipped_{k.lower()}": v for k, v in s["skipped_by_reason"].items() if v},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "guard": self.guard.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "rollback": self.rollback.state_dict() if self.rollback else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state["guard"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.rollback and state.get("rollback"):
+            self.rollback.load_state_dict(state["rollback"])
+
+
 def build_updater(
     cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
 ) -> Updater:
     """The guarded updater unless `--guard.enabled False`."""
     scaler = _make_scaler(cfg, info.device)
+    if cfg.guard.enabled:
+        return GuardedUpdater(cfg, model, optimizer, scaler, info)
     return PlainUpdater(cfg, model, optimizer, scaler)
