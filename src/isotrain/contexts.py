@@ -261,14 +261,15 @@ def _cuda_indices(devices: Iterable[int | str | torch.device] | None) -> list[in
 def rng_isolated(
     seed: int | None = None, *, devices: Iterable[int | str | torch.device] | None = None
 ) -> Iterator[None]:
-    """Restore Python, numpy, torch CPU and CUDA global RNG states after the block.
+    """Restore the Python, numpy, torch CPU, CUDA (and mps/xpu) global RNG states after the block.
 
     Evaluation or sampling inside training then leaves the training run bit-identical::
 
         with eval_mode(model), rng_isolated(seed=0):  # seed: same eval draws every time
             samples = model.generate(prompt)
 
-    ``devices``: CUDA devices to cover (default: all, when CUDA is available).
+    ``devices``: CUDA devices to cover (default: all, when CUDA is available); ``seed`` seeds
+    exactly the generators that are restored.
     """
     if seed is not None and not isinstance(seed, int):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
@@ -279,21 +280,43 @@ def rng_isolated(
     py_state = random.getstate()
     cpu_state = torch.get_rng_state()
     cuda_states = [torch.cuda.get_rng_state(i) for i in cuda]
+    # torch.manual_seed also reseeds these single-generator backends: keep them too
+    others = [(mod, mod.get_rng_state()) for mod in _other_accelerators()]
     np_state = np.random.get_state() if np is not None else None
     try:
         if seed is not None:
-            random.seed(seed)
-            torch.manual_seed(seed)  # also seeds every CUDA device
-            if np is not None:
-                np.random.seed(seed % 2**32)
+            _seed_covered(seed, cuda, [mod for mod, _ in others], np)
         yield
     finally:
         random.setstate(py_state)
         torch.set_rng_state(cpu_state)
         for i, state in zip(cuda, cuda_states, strict=True):
             torch.cuda.set_rng_state(state, i)
+        for mod, state in others:
+            mod.set_rng_state(state)
         if np_state is not None:
             np.random.set_state(np_state)
+
+
+def _seed_covered(seed: int, cuda: list[int], others: list[Any], np: Any) -> None:
+    # Seed only the generators we restore (torch.manual_seed would also reseed CUDA devices
+    # excluded by `devices=` and leak that into the rest of the run).
+    random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    for i in cuda:
+        torch.cuda.default_generators[i].manual_seed(seed)
+    for mod in others:
+        mod.manual_seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def _other_accelerators() -> list[Any]:
+    mods = [torch.mps] if torch.backends.mps.is_available() else []
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        mods.append(xpu)
+    return mods
 
 
 def _try_import_numpy() -> None:
