@@ -237,6 +237,22 @@ def test_lsq_scale_gradient(shape: tuple, signed: bool, grad_scale: float) -> No
     inside = (x / s.detach() >= -qn) & (x / s.detach() <= qp)
     torch.testing.assert_close(xr.grad, torch.where(inside, up, 0.0))
 
+    def loss(scale: Tensor) -> Tensor:
+        return (lsq_quantize(x, scale, bits=3, signed=signed, grad_scale=grad_scale) * up).sum()
+
+    torch.testing.assert_close(torch.func.grad(loss)(s.detach()), s.grad, rtol=0, atol=0)
+
+
+def test_lsq_quantizer_compiles_with_scale_gradient() -> None:
+    q = LSQQuantizer(bits=4, shape=(3, 1), init=0.2)
+    x = torch.randn(3, 7, generator=_gen())
+    q(x).pow(2).sum().backward()
+    eager_grad, q.scale.grad = q.scale.grad, None
+    compiled, cnt = _compile_fullgraph(q)
+    compiled(x).pow(2).sum().backward()
+    _assert_one_graph(cnt)
+    torch.testing.assert_close(q.scale.grad, eager_grad)
+
 
 def test_lsq_quantizer_init_gradscale_and_learning() -> None:
     x = torch.randn(8, 16, generator=_gen())
@@ -358,6 +374,11 @@ def test_quant_linear_matches_manual_fake_quant(activations: bool) -> None:
     y.backward(up)
     F.linear(x_ref, w_ref, layer.bias).backward(up)
     torch.testing.assert_close(layer.weight.grad, w_ref.grad)  # straight through the weight
+
+    def call(w: Tensor) -> Tensor:
+        return (torch.func.functional_call(layer, {"weight": w}, (x,)) * up).sum()
+
+    torch.testing.assert_close(torch.func.grad(call)(layer.weight.detach()), w_ref.grad)
 
 
 def test_quant_linear_gradcheck_input_and_bias() -> None:
