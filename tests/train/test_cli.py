@@ -14,23 +14,48 @@ from isotrain.train.report import read_metrics
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000"]
 
 
-def test_train_writes_metrics_and_snapshot_then_sample_reads_it(tmp_path, capsys) -> None:
-    run = tmp_path / "run"
-    assert main(["train", *SMOKE, "--out-dir", str(run)]) == 0
-    records = read_metrics(run)
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cli") / "run"
+    assert main(["train", *SMOKE, "--guard.inject-nan-at", "3", "--out-dir", str(run)]) == 0
+    return run
+
+
+def test_train_writes_metrics_and_snapshot(smoke_run) -> None:
+    records = read_metrics(smoke_run)
     assert records[0]["kind"] == "config" and records[0]["config"]["steps"] == 8
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == [2, 4, 6, 8]
-    assert all(r["tokens_per_s"] > 0 and r["loss"] > 0 for r in train)
+    assert all(r["tokens_per_s"] > 0 for r in train)
+    assert [r["skipped_total"] for r in train] == [0, 1, 1, 1]  # the injected NaN at step 3
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [4, 8]
     summary = records[-1]
     assert summary["kind"] == "summary" and summary["unigram_baseline"] > 0
-    assert (run / "snapshots" / "LATEST").read_text() == "step_0000008"
+    assert summary["skipped_steps"] == 1 and summary["skipped_nonfinite_loss"] == 1
+    assert (smoke_run / "snapshots" / "LATEST").read_text() == "step_0000008"
+
+
+def test_sample_from_snapshot_and_from_export_agree(smoke_run, tmp_path, capsys) -> None:
     capsys.readouterr()
-    assert main(["sample", "--run", str(run), "--prompt", "import ", "--tokens", "12"]) == 0
+    assert main(["sample", "--run", str(smoke_run), "--prompt", "import ", "--tokens", "12"]) == 0
+    from_snapshot = capsys.readouterr().out
+    assert from_snapshot.startswith("import ") and len(from_snapshot.encode()) > 8
+    out = tmp_path / "m.safetensors"
+    assert main(["export", "--run", str(smoke_run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["sample", "--run", str(out), "--prompt", "import ", "--tokens", "12"]) == 0
+    assert capsys.readouterr().out == from_snapshot
+
+
+def test_plot_and_report(smoke_run, tmp_path, capsys) -> None:
+    assert main(["plot", "--run", str(smoke_run), "--out", str(tmp_path)]) == 0
+    for name in ("loss.png", "lr.png", "throughput.png", "grad_norm.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    assert main(["report", "--run", str(smoke_run)]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("import ") and len(out.encode()) >= len("import ") + 1
+    assert "skipped_steps" in out and "best_val_loss" in out
 
 
 def test_bad_flag_value_prints_one_line_and_exits_2(tmp_path, capsys) -> None:

@@ -1,4 +1,4 @@
-"""`isotrain train | sample`: argument parsing and wiring only.
+"""`isotrain train | sample | plot | report | export`: argument parsing and wiring only.
 
 Flags come from the config dataclasses through tyro; precedence is
 preset < `--config FILE.toml` < flags. User errors print one clear line and exit 2.
@@ -53,7 +53,7 @@ class SampleArgs:
     """Generate text from a trained run."""
 
     run: str
-    """Run directory holding snapshots (from `isotrain train --out-dir`)."""
+    """Run directory holding snapshots, or a .safetensors file from `isotrain export`."""
     prompt: str = "def "
     """Text to continue."""
     tokens: int = 200
@@ -85,7 +85,57 @@ def cmd_sample(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"train": cmd_train, "sample": cmd_sample}
+@dataclass(frozen=True, kw_only=True)
+class RunArgs:
+    """A run directory to read."""
+
+    run: str
+    """Run directory (from `isotrain train --out-dir`)."""
+    out: str | None = None
+    """Output: a directory for plot (default: the run), a .safetensors file for export."""
+    which: Literal["latest", "best"] = "latest"
+    """Snapshot to read (export): the newest or the best-validation one."""
+
+
+def cmd_plot(argv: Sequence[str]) -> int:
+    from isotrain.train.plots import plot_run
+
+    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain plot")
+    for path in plot_run(args.run, args.out):
+        sys.stdout.write(f"wrote {path}\n")
+    return 0
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from isotrain.train.plots import summarize_run
+
+    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain report")
+    table = Table(title=f"isotrain report: {args.run}", show_header=False)
+    for key, value in summarize_run(args.run).items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console(highlight=False).print(table)
+    return 0
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    from isotrain.train.export import export_run
+
+    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain export")
+    out, snap = export_run(args.run, args.out or f"{args.run}/model.safetensors", which=args.which)
+    sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
+    return 0
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "train": cmd_train,
+    "sample": cmd_sample,
+    "plot": cmd_plot,
+    "report": cmd_report,
+    "export": cmd_export,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -191,11 +191,14 @@ def sample(
     return tok.decode(out[0, idx.size(1) :])
 
 
-def load_model(run_dir: str, *, which: str = "latest") -> GPT:
-    """The GPT of a run's snapshot, on the CPU, ready for `sample`."""
-    payload, _ = load_snapshot(run_dir, which=which)
-    cfg = TrainConfig(model=ModelConfig(**payload["config"]["model"]))
-    model = build_model(cfg)
+def load_model(source: str, *, which: str = "latest") -> GPT:
+    """The GPT of a run directory's snapshot or of an exported `.safetensors` file (CPU)."""
+    if source.endswith(".safetensors"):
+        from isotrain.train.export import load_safetensors
+
+        return load_safetensors(source)
+    payload, _ = load_snapshot(source, which=which)
+    model = build_model(TrainConfig(model=ModelConfig(**payload["config"]["model"])))
     model.load_state_dict(payload["model"])
     return model
 
