@@ -287,8 +287,10 @@ def test_gumbel_hard_is_one_hot_with_soft_gradient() -> None:
     assert set(hard.unique().tolist()) <= {0.0, 1.0}
     assert torch.equal(hard.argmax(-1), soft.argmax(-1))
     torch.testing.assert_close(grad_hard, grad_soft, rtol=0, atol=0)
+    rng = torch.get_rng_state()
     again = gumbel_softmax_st(logits, tau=0.7, generator=_gen(3))
-    assert torch.equal(hard, again)  # seeded through the generator
+    assert torch.equal(hard, again)  # seeded through the generator...
+    assert torch.equal(torch.get_rng_state(), rng)  # ...leaving the global RNG alone
     grad_f = torch.func.grad(
         lambda t: (gumbel_softmax_st(t, tau=0.7, generator=_gen(3)) * up).sum()
     )(logits.detach())

@@ -37,6 +37,9 @@ __all__ = ["QuantLinear", "fused_fake_quantize", "quantize_linear_layers"]
 #    (pytorch#168393, #170834: the generated Function lacks setup_context). The entry point
 #    therefore applies the op through `_FuncBridge`, a setup_context-style autograd.Function
 #    that reuses the very same `_setup_context` and `_backward`; drop it once fixed upstream.
+# Cost: inductor cannot fuse across an opaque op. Wrap code that already is one fused kernel;
+# a composite of PyTorch ops (like this one) runs faster as a traceable autograd.Function
+# (benchmarks/results/autograd.md measures both).
 # An operator name can be defined once per process, so `_register` first checks whether it
 # exists: re-importing or `importlib.reload` of this module is then harmless.
 
@@ -66,7 +69,7 @@ def _backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
 
 
 def _vmap(info: Any, in_dims: tuple[Any, ...], x: Tensor, *args: Any) -> tuple[Tensor, Any]:
-    return getattr(torch.ops, _NAMESPACE).fake_quant(x, *args), in_dims[0]
+    return torch.ops.isotrain.fake_quant(x, *args), in_dims[0]  # elementwise: same batch dim
 
 
 def _register() -> None:
