@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from isotrain.guard import SkipReason, SpikeDetector, StepGuard, safe_backward
-from isotrain.guard_recovery import FaultInjector, forbid_host_sync
+from isotrain.guard import SkipReason, StepGuard, safe_backward
+from isotrain.guard_recovery import FaultInjector, SpikeDetector, forbid_host_sync
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -71,7 +71,12 @@ def scaler_or_none(use: bool) -> torch.amp.GradScaler | None:
     return torch.amp.GradScaler("cpu", init_scale=2.0**10) if use else None
 
 
-MODES = [(n, m) for n in OPTIMIZERS for m in ("select", "host", "found_inf") if "fused" in n or m != "found_inf"]  # fmt: skip
+MODES = [
+    (name, mode)
+    for name in OPTIMIZERS
+    for mode in ("select", "host", "found_inf")
+    if "fused" in name or mode != "found_inf"
+]
 
 
 @pytest.mark.parametrize("use_scaler", [False, True], ids=["fp32", "scaler"])
@@ -335,3 +340,40 @@ def test_step_rejects_bad_input():
     buf.seek(0)
     with pytest.raises(ValueError, match="unknown StepGuard state version 99"):
         guard.load_state_dict(torch.load(buf, weights_only=True))
+
+
+def _two_rank_worker(rank: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        model = make_model()
+        start = copy.deepcopy(model.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        guard = StepGuard(opt, model, spike_k=None, skip_mode="select")
+        for step in range(3):
+            loss = loss_of(model, 10 * rank + step)  # different data per rank, no DDP
+            if step == 0 and rank == 1:
+                loss = loss * float("nan")  # only rank 1 sees a NaN loss
+            loss.backward()
+            if step == 1 and rank == 0:
+                model[0].bias.grad[0] = float("inf")  # only rank 0 sees an Inf grad
+            local = loss.detach().clone()
+            outcome = guard.step(loss.detach())
+            if step < 2:  # both ranks skip, each with the agreed reason
+                expect = [SkipReason.NONFINITE_LOSS, SkipReason.NONFINITE_GRAD][step]
+                assert not outcome.applied and outcome.reason.item() == expect
+                assert_same(model.state_dict(), start)
+            else:
+                assert outcome.applied
+                dist.all_reduce(local)
+                assert torch.allclose(outcome.loss, local / 2)  # the rank-averaged loss
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_rank_world_agrees_on_every_skip(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"),), nprocs=2, join=True)

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from tests.test_guard import assert_same, loss_of, make_model
 from torch import nn
 
 from isotrain.guard import StepGuard
@@ -18,7 +19,6 @@ from isotrain.guard_recovery import (
     nonfinite_grads,
     save_failure_case,
 )
-from tests.test_guard import assert_same, loss_of, make_model
 
 
 class LogOfInput(nn.Module):
@@ -101,7 +101,7 @@ def run_with_rollback(rollback_kwargs, nan_steps, total):
 
 def test_rollback_restores_the_last_good_copy_bit_for_bit():
     kwargs = dict(every=3, patience=4, max_rollbacks=2, cooldown_factor=0.25, cooldown_steps=8)
-    model, opt, guard, rb, actions = run_with_rollback(kwargs, range(7, 11), 12)
+    _, _, guard, rb, actions = run_with_rollback(kwargs, range(7, 11), 12)
     assert len(actions) == 1
     action, snaps = actions[0]
     # Applied steps 0..6; copies at steps 2 and 5 (every 3 applied); NaN at 7, 8, 9, 10.
@@ -113,7 +113,9 @@ def test_rollback_restores_the_last_good_copy_bit_for_bit():
 
 
 def test_rollback_gives_up_with_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"after 1 rollbacks \(max_rollbacks=1\).*not recovering"):
+    with pytest.raises(
+        RuntimeError, match=r"after 1 rollbacks \(max_rollbacks=1\).*not recovering"
+    ):
         run_with_rollback(dict(every=2, patience=2, max_rollbacks=1), range(3, 20), 20)
 
 

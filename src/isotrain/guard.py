@@ -2,8 +2,8 @@
 
 ``safe_backward`` is the seed's simple API (it syncs: it returns a Python bool). ``StepGuard``
 is the guarded step for real loops: finiteness and spikes are decided on the device and the
-update is applied or skipped by *selection*, with no host-device synchronization. Provenance,
-rollback and fault injection live in :mod:`isotrain.guard_recovery`.
+update is applied or skipped by *selection*, with no host-device synchronization. The spike
+window, provenance, rollback and fault injection live in :mod:`isotrain.guard_recovery`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,20 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from isotrain.guard_recovery import SpikeDetector
+
 __all__ = [
     "SkipReason",
-    "SpikeDetector",
     "StepGuard",
     "StepOutcome",
     "safe_backward",
 ]
 
 log = logging.getLogger(__name__)
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class SkipReason(enum.IntEnum):
@@ -40,10 +45,6 @@ class SkipReason(enum.IntEnum):
     LOSS_SPIKE = 3
     GRAD_SPIKE = 4
     SCALER_OVERFLOW = 5
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def safe_backward(
@@ -84,71 +85,6 @@ def safe_backward(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return True
-
-
-class SpikeDetector:
-    """Flags values above mean + k*std of a rolling window of accepted values, on the device.
-
-    The window is a ring buffer tensor plus a count tensor, so checking and updating never sync.
-
-    Example::
-
-        det = SpikeDetector(n_series=1, k=6.0, window=128, min_samples=16)
-        spike = det.is_spike(loss.view(1))  # (1,) bool tensor
-        det.update(loss.view(1), accept=~spike[0])
-    """
-
-    # A window of identical values has std 0; keep a relative floor so the next equal-ish value
-    # is not a "spike".
-    REL_STD_FLOOR = 1e-4
-
-    def __init__(
-        self,
-        *,
-        n_series: int = 2,
-        k: float = 6.0,
-        window: int = 128,
-        min_samples: int = 16,
-        device: torch.device | str | None = None,
-    ) -> None:
-        if window < 2 or not 2 <= min_samples <= window or k <= 0 or n_series < 1:
-            raise ValueError(
-                f"SpikeDetector needs window >= 2, 2 <= min_samples <= window and k > 0; got "
-                f"window={window}, min_samples={min_samples}, k={k}, n_series={n_series}"
-            )
-        self.k, self.window, self.min_samples = float(k), int(window), int(min_samples)
-        self.values = torch.zeros(n_series, window, dtype=torch.float32, device=device)
-        self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted values so far
-        self._slots = torch.arange(window, device=device)
-
-    def is_spike(self, values: torch.Tensor) -> torch.Tensor:
-        """(n_series,) bool: which values exceed their window's mean + k*std (False while warming up)."""
-        v = values.detach().float().reshape(-1, 1)  # (S, 1)
-        n = self.count.clamp(max=self.window)
-        valid = self._slots < n  # (W,)
-        mean = torch.where(valid, self.values, 0.0).sum(1, keepdim=True) / n.clamp(min=1)
-        sq = torch.where(valid, (self.values - mean).square(), 0.0).sum(1, keepdim=True)
-        std = (sq / (n - 1).clamp(min=1)).sqrt().maximum(mean.abs() * self.REL_STD_FLOOR)
-        return ((self.count >= self.min_samples) & (v > mean + self.k * std)).reshape(-1)
-
-    def update(self, values: torch.Tensor, accept: torch.Tensor) -> None:
-        """Write ``values`` into the ring buffer when ``accept`` (a device bool) is true."""
-        write = (self._slots == self.count % self.window) & accept  # (W,)
-        v = values.detach().float().reshape(-1, 1)
-        self.values.copy_(torch.where(write, v, self.values))
-        self.count.add_(accept.to(torch.int64))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"values": self.values.clone(), "count": self.count.clone(), "k": self.k}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if tuple(state["values"].shape) != tuple(self.values.shape):
-            raise ValueError(
-                f"spike window shape {tuple(state['values'].shape)} does not match this "
-                f"detector's {tuple(self.values.shape)}; build it with the same spike_window"
-            )
-        self.values.copy_(state["values"])
-        self.count.copy_(state["count"])
 
 
 @dataclass(frozen=True)
@@ -253,9 +189,9 @@ class StepGuard:
         self._last = torch.zeros(4, dtype=torch.float32, device=dev)  # reason, norm, loss, scale
         self._codes = torch.arange(len(SkipReason), device=dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
-        self._snap_src: list[torch.Tensor] = []
+        self._snap_src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
         self._snap: list[torch.Tensor] = []
-        self._grad_finite: torch.Tensor | None = None
+        self._grad_finite: torch.Tensor | None = None  # per-tensor, in `_grad_names` order
         self._grad_names: list[str] = []
         self._warned: set[str] = set()
         # Tests set this to guard_recovery.forbid_host_sync; it wraps the sync-free phases.
@@ -338,6 +274,8 @@ class StepGuard:
                 norms.extend(torch.linalg.vector_norm(g, 2.0) for g in dev_grads)
             order.extend(idx)
         per = torch.stack([n.to(grads[0].device) for n in norms])
+        if hasattr(per, "full_tensor"):  # FSDP2 DTensor grads: reduce the per-shard norms
+            per = per.full_tensor()
         self._grad_finite, self._grad_names = per.isfinite(), [named[i][0] for i in order]
         return grads, torch.linalg.vector_norm(per, 2.0)
 
@@ -356,9 +294,8 @@ class StepGuard:
         vec = self._all_reduce_mean(vec)  # agree across ranks: NaN anywhere is NaN everywhere
         loss32, norm_g, overflow = vec[0], vec[1], vec[2] > 0
         if found_inf is not None:  # make every rank's GradScaler.update() see the agreed flag
-            for t in self.scaler._per_optimizer_states[id(self.optimizer)][
-                "found_inf_per_device"
-            ].values():  # type: ignore[union-attr]
+            sc: Any = self.scaler
+            for t in sc._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
                 t.copy_(overflow)
         spike = torch.zeros(2, dtype=torch.bool, device=self.device)
         if self.spikes is not None:
@@ -482,16 +419,11 @@ class StepGuard:
         applied, by_reason, consecutive = int(vals[0]), vals[1 : 1 + n], int(vals[1 + n])
         reason, norm, loss, scale = vals[2 + n :]
         return {
-            "steps": self.steps,
-            "applied": applied,
-            "skipped": self.steps - applied,
+            "steps": self.steps, "applied": applied, "skipped": self.steps - applied,
             "skipped_by_reason": {r.name: int(by_reason[r]) for r in SkipReason if r},
-            "consecutive_skips": consecutive,
-            "last_reason": SkipReason(int(reason)).name,
-            "last_grad_norm": norm,
-            "last_loss": loss,
-            "loss_scale": scale,
-        }
+            "consecutive_skips": consecutive, "last_reason": SkipReason(int(reason)).name,
+            "last_grad_norm": norm, "last_loss": loss, "loss_scale": scale,
+        }  # fmt: skip
 
     def nonfinite_grad_names(self) -> list[str]:
         """Names of the params whose gradient was non-finite at the last step (syncs once)."""
@@ -503,14 +435,11 @@ class StepGuard:
     def state_dict(self) -> dict[str, Any]:
         """Counters and spike window as plain tensors/ints (loadable with weights_only=True)."""
         return {
-            "version": 1,
-            "steps": self.steps,
-            "applied": self._applied.clone(),
-            "by_reason": self._by_reason.clone(),
-            "consecutive": self._consecutive.clone(),
+            "version": 1, "steps": self.steps, "applied": self._applied.clone(),
+            "by_reason": self._by_reason.clone(), "consecutive": self._consecutive.clone(),
             "last": self._last.clone(),
             "spikes": None if self.spikes is None else self.spikes.state_dict(),
-        }
+        }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and spike window so a resumed run continues the same window."""
