@@ -114,9 +114,7 @@ def test_module_selection_by_type_predicate_and_outermost_only():
     assert all(_compiled(b) for b in model.blocks)
     assert not _compiled(model.blocks[0].ln1)  # nested in a compiled block: left alone
     assert _compiled(model.ln_f)  # a LayerNorm outside the blocks
-    model = compile_model(
-        TinyGPT(), backend="eager", modules=lambda m: m is not None and isinstance(m, nn.GELU)
-    )
+    model = compile_model(TinyGPT(), backend="eager", modules=lambda m: isinstance(m, nn.GELU))
     assert _compiled(model.blocks[1].mlp[1]) and not _compiled(model.blocks[1])
 
 
@@ -366,19 +364,19 @@ def test_selection_update_compiles_and_is_nan_safe():
             p.copy_(torch.where(ok, u, p))
 
     model = compile_model(TinyGPT(n_layer=1), backend="eager")
-    _loss(model, _tokens(2, 8), _tokens(2, 8)).backward()
+    x = _tokens(2, 8)
+    _loss(model, x, x).backward()
     params = [p.detach() for p in model.parameters()]
     before = [p.clone() for p in params]
-    updates = [p - 0.1 * p.grad for p in model.parameters()]
+    updates = [(p - 0.1 * p.grad).detach() for p in model.parameters()]
+    poisoned = [torch.full_like(u, float("nan")) for u in updates]
     with torch.no_grad():
-        select_(
-            params,
-            [u.fill_(float("nan")) if i == 0 else u for i, u in enumerate(updates)],
-            torch.tensor(False),
-        )
+        select_(params, poisoned, torch.tensor(False))  # skipped: NaN never leaks in
         assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
         select_(params, updates, torch.tensor(True))
-    assert all(torch.equal(p, u) for p, u in zip(params[1:], updates[1:], strict=True))
+        assert all(torch.equal(p, u) for p, u in zip(params, updates, strict=True))
+    with no_recompiles():  # in-place updates keep the compiled blocks' graphs valid
+        _loss(model, x, x).backward()
 
 
 def test_autocast_bf16_matches_eager_autocast():
