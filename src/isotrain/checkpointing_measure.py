@@ -1,0 +1,328 @@
+"""Activation-memory and recompute accounting for activation checkpointing, on any device.
+
+Counts the bytes autograd keeps for backward (unique storages, parameters excluded), per
+block, plus the outputs a selective-checkpoint cache holds; and the FLOPs recomputation adds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = ["BlockStats", "MemoryReport", "measure_activation_memory", "resolve_modules"]
+
+ModuleSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None
+
+
+class _State:
+    """Process-wide switches read by checkpointed forwards (plain attributes: dynamo-friendly)."""
+
+    bypass: bool = False  # run wrapped modules without checkpoint (baseline FLOPs)
+    recorder: _Recorder | None = None  # active byte tally, or None
+
+
+class _Recorder:
+    """Tallies unique saved storages, attributing each to the innermost running block."""
+
+    def __init__(self, exclude_ptrs: set[int]) -> None:
+        self.exclude = exclude_ptrs
+        self.seen: set[int] = set()
+        self.bytes: dict[str, int] = {}
+        self.stack: list[str] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        if not isinstance(t, torch.Tensor) or t.is_meta or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.exclude or ptr in self.seen:
+            return
+        self.seen.add(ptr)
+        where = self.stack[-1] if self.stack else ""
+        self.bytes[where] = self.bytes.get(where, 0) + storage.nbytes()
+
+
+def note_cached_outputs(out: Any) -> None:
+    """Count tensors a selective-checkpoint cache keeps (they bypass saved-tensor hooks)."""
+    rec = _State.recorder
+    if rec is not None:
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            rec.add(t)
+
+
+def resolve_modules(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[str, nn.Module]]:
+    """The (name, module) blocks to wrap or measure, outermost matches only, in model order.
+
+    `modules` is a module type, a tuple of types, a predicate `(name, module) -> bool`, or None
+    for the children of every outermost `nn.ModuleList` (the usual transformer block list).
+    """
+    if modules is None:
+
+        def match(name: str, mod: nn.Module) -> bool:
+            return _parent_is_modulelist(model, name)
+
+    elif isinstance(modules, type) or (
+        isinstance(modules, tuple) and all(isinstance(t, type) for t in modules)
+    ):
+        types = modules
+
+        def match(name: str, mod: nn.Module) -> bool:
+            return isinstance(mod, types) and name != ""
+
+    elif callable(modules):
+        match = modules  # type: ignore[assignment]
+    else:
+        raise TypeError(
+            f"modules must be an nn.Module subclass, a tuple of them, or a predicate "
+            f"(name, module) -> bool; got {type(modules).__name__}. Example: modules=(Block,)."
+        )
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(c + ".") for c, _ in chosen if c):
+            continue  # nested inside a chosen block: the outer wrap already covers it
+        if match(name, mod):
+            chosen.append((name, mod))
+    return chosen
+
+
+def _parent_is_modulelist(model: nn.Module, name: str) -> bool:
+    if not name:
+        return False
+    parent = model.get_submodule(name.rpartition(".")[0])
+    return isinstance(parent, nn.ModuleList)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockStats:
+    """One block's saved-activation bytes and forward FLOPs, as measured."""
+
+    name: str
+    saved_bytes: int
+    forward_flops: int
+    checkpointed: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Saved-for-backward bytes per block and in total, FLOPs, and the CUDA peak when on CUDA.
+
+    `other_bytes` is what code outside the blocks saves (embedding, head, loss).
+    `recompute_flops` = FLOPs of forward+backward with checkpointing minus without.
+    `peak_bytes` is CUDA max_memory_allocated during forward+backward above the level before it
+    (None off CUDA).
+    """
+
+    blocks: tuple[BlockStats, ...]
+    other_bytes: int
+    forward_flops: int
+    backward_flops: int
+    recompute_flops: int
+    peak_bytes: int | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.other_bytes + sum(b.saved_bytes for b in self.blocks)
+
+    def table(self) -> str:
+        """A markdown table: one row per block, then the totals."""
+        rows = ["| block | checkpointed | saved MB | fwd GFLOP |", "|---|---|---:|---:|"]
+        for b in self.blocks:
+            rows.append(
+                f"| {b.name} | {'yes' if b.checkpointed else 'no'} | "
+                f"{b.saved_bytes / 1e6:.3f} | {b.forward_flops / 1e9:.4f} |"
+            )
+        rows.append(f"| (outside blocks) | | {self.other_bytes / 1e6:.3f} | |")
+        rows.append(f"| **total** | | **{self.total_bytes / 1e6:.3f}** | |")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        peak = "n/a (not CUDA)" if self.peak_bytes is None else f"{self.peak_bytes / 1e6:.1f} MB"
+        return (
+            f"{self.table()}\n"
+            f"forward {self.forward_flops / 1e9:.4f} GFLOP, backward "
+            f"{self.backward_flops / 1e9:.4f} GFLOP (recompute {self.recompute_flops / 1e9:.4f}"
+            f" GFLOP), CUDA peak {peak}"
+        )
+
+
+def _cpu_flash_fwd(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_flash_bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _flop_counter() -> FlopCounterMode:
+    # NOTE [cpu sdpa flops]: torch's registry omits the CPU flash kernels; count them the same way.
+    aten = torch.ops.aten
+    mapping = {}
+    if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_fwd
+        mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_bwd
+    return FlopCounterMode(display=False, custom_mapping=mapping)
+
+
+@contextlib.contextmanager
+def _bypass_checkpointing() -> Iterator[None]:
+    prev, _State.bypass = _State.bypass, True
+    try:
+        yield
+    finally:
+        _State.bypass = prev
+
+
+@contextlib.contextmanager
+def _scoped_grads(model: nn.Module) -> Iterator[None]:
+    """Run a backward without leaving gradients behind: restore each parameter's .grad."""
+    saved = [(p, p.grad) for p in model.parameters()]
+    for p, _ in saved:
+        p.grad = None  # backward accumulates in place: keep it off the caller's tensors
+    try:
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+def _default_loss(out: Any) -> torch.Tensor:
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    floats = [
+        t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    if not floats:
+        raise ValueError(
+            "measure_activation_memory needs a floating-point output to backpropagate from; "
+            "pass loss_fn=lambda out: ... returning a scalar tensor."
+        )
+    return torch.stack(floats).sum()
+
+
+def _devices(inputs: Sequence[Any]) -> list[torch.device]:
+    return sorted(
+        {t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"},
+        key=str,
+    )
+
+
+def profile_forward(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: Sequence[Any]
+) -> tuple[Any, dict[str, int], dict[str, int], FlopCounterMode]:
+    """One forward under the byte recorder and a FLOP counter; per-block bytes and FLOPs."""
+    params = [*model.parameters(), *model.buffers()]
+    rec = _Recorder({p.untyped_storage().data_ptr() for p in params})
+    counter = _flop_counter()
+    flops: dict[str, int] = {}
+    start: dict[str, int] = {}
+
+    def pre(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any) -> None:
+            rec.stack.append(name)
+            start[name] = counter.get_total_flops()
+
+        return hook
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(mod: nn.Module, args: Any, out: Any) -> None:
+            rec.stack.pop()
+            flops[name] = flops.get(name, 0) + counter.get_total_flops() - start[name]
+
+        return hook
+
+    handles = []
+    for name, mod in blocks:
+        handles.append(mod.register_forward_pre_hook(pre(name)))
+        handles.append(mod.register_forward_hook(post(name)))
+    prev, _State.recorder = _State.recorder, rec
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack(rec), lambda t: t), counter:
+            out = model(*inputs)
+    finally:
+        _State.recorder = prev
+        for h in handles:
+            h.remove()
+    return out, rec.bytes, flops, counter
+
+
+def _pack(rec: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        rec.add(t)
+        return t
+
+    return pack
+
+
+def measure_activation_memory(
+    model: nn.Module,
+    *example_inputs: Any,
+    modules: ModuleSpec = None,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> MemoryReport:
+    """Measure saved-activation bytes per block and the recompute FLOPs of the current wrapping.
+
+    Runs forward+backward twice (with and without checkpointing) under a forked RNG, restoring
+    parameter gradients, so training state is untouched.
+
+    Example:
+        >>> report = measure_activation_memory(model, x, modules=(Block,))
+        >>> print(report)             # per-block table, totals, FLOPs
+        >>> report.total_bytes
+    """
+    blocks = resolve_modules(model, modules)
+    loss_fn = loss_fn or _default_loss
+    devices = _devices(example_inputs)
+    with torch.random.fork_rng(devices=devices), _scoped_grads(model), torch.enable_grad():
+        base_alloc = _cuda_reset(devices)
+        out, saved, fwd_flops, counter = profile_forward(model, blocks, example_inputs)
+        forward = counter.get_total_flops()
+        with _flop_counter() as bwd_counter:
+            loss_fn(out).backward()
+        peak = _cuda_peak(devices, base_alloc)
+        del out
+        with _bypass_checkpointing(), _flop_counter() as plain:
+            loss_fn(model(*example_inputs)).backward()
+    backward = bwd_counter.get_total_flops()
+    stats = tuple(
+        BlockStats(n, saved.get(n, 0), fwd_flops.get(n, 0), is_checkpointed(m)) for n, m in blocks
+    )
+    return MemoryReport(
+        blocks=stats,
+        other_bytes=saved.get("", 0),
+        forward_flops=forward,
+        backward_flops=backward,
+        recompute_flops=forward + backward - plain.get_total_flops(),
+        peak_bytes=peak,
+    )
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `module` runs under activation checkpointing (isotrain wrapping or the block)."""
+    fwd = module.__dict__.get("forward")
+    if fwd is not None and getattr(fwd, "_isotrain_ac", None) is not None:
+        return True
+    return bool(getattr(module, "checkpoint_mode", "none") != "none")
+
+
+def _cuda_reset(devices: list[torch.device]) -> dict[torch.device, int]:
+    base = {}
+    for d in devices:
+        torch.cuda.synchronize(d)
+        torch.cuda.reset_peak_memory_stats(d)
+        base[d] = torch.cuda.memory_allocated(d)
+    return base
+
+
+def _cuda_peak(devices: list[torch.device], base: dict[torch.device, int]) -> int | None:
+    if not devices:
+        return None
+    peak = 0
+    for d in devices:
+        torch.cuda.synchronize(d)  # sync: measurement only, never in the training step
+        peak += torch.cuda.max_memory_allocated(d) - base[d]
+    return peak
