@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -297,7 +298,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    cmd = "python benchmarks/bench_compile.py" + (" --quick" if args.quick else "")
+    flags = sys.argv[1:] if argv is None else argv
+    cmd = " ".join(["python benchmarks/bench_compile.py", *flags])
     if args.threads:
         torch.set_num_threads(args.threads)
     shared = os.path.join(tempfile.gettempdir(), "isotrain-inductor-cache")

@@ -387,8 +387,8 @@ def _eval_no_grad(model: Any) -> Iterator[None]:
     mods = list(model.modules()) if isinstance(model, nn.Module) else []
     flags = [m.training for m in mods]
     try:
-        for m in mods:
-            m.training = False
+        if isinstance(model, nn.Module):
+            model.eval()
         with torch.no_grad():
             yield
     finally:
