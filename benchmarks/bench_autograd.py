@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> dict:
         "env": {
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(), "loadavg_1m_at_end": round(os.getloadavg()[0], 1),
         },
         "rows": rows,
     }  # fmt: skip
@@ -199,8 +201,9 @@ def write(result: dict, stem: str) -> None:
         f"fullgraph=True)`. Median of {cfg['rounds']} interleaved rounds x "
         f"{cfg['iters_per_round']} iterations; ratio = median per-round ratio to the detach "
         f"idiom in the same mode; saved = bytes kept for backward, input included. "
-        f"torch {result['env']['torch']}, "
-        f"{result['env']['threads']} threads.",
+        f"torch {result['env']['torch']}, {result['env']['threads']} threads, "
+        f"{result['env']['cpu_count']} CPUs, load average "
+        f"{result['env']['loadavg_1m_at_end']} at the end (a shared machine: trust ratios).",
         "",
     ]
     if cfg["note"]:
