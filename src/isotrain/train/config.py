@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from isotrain.checkpointing import parse_policy
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -76,8 +78,10 @@ class DataConfig:
     """Element type of a raw .bin token file (.npy files carry their own)."""
     batch_size: int = 16
     """Sequences per micro-batch on each rank."""
+    varlen: bool = False
+    """Variable-length mode: whole documents (text between blank lines), padded to buckets."""
     buckets: tuple[int, ...] = ()
-    """Variable-length mode: pad documents to these lengths (empty = fixed-length windows)."""
+    """Bucket lengths for --data.varlen (empty: powers of two from 16 up to the block size)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,6 +328,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         d.buckets,
         f"every bucket must be in 1..--model.block-size ({m.block_size})",
     )
+    _check(
+        list(d.buckets) == sorted(set(d.buckets)),
+        "data.buckets",
+        d.buckets,
+        "list the lengths in increasing order, without repeats",
+    )
+    try:
+        parse_policy(cfg.checkpointing.policy)
+    except ValueError as e:
+        raise ConfigError(f"--checkpointing.policy {cfg.checkpointing.policy!r}: {e}") from e
     _check(0 <= cfg.quant.bits <= 16, "quant.bits", cfg.quant.bits, "use 0 (off) or 1..16")
     _check(cfg.guard.spike_k >= 0, "guard.spike_k", cfg.guard.spike_k, "use 0 (off) or > 0")
     _check(cfg.guard.spike_window >= 2, "guard.spike_window", cfg.guard.spike_window, "use >= 2")

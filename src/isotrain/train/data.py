@@ -16,11 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from isotrain.buckets import pad_to_bucket
+
 __all__ = [
     "ByteTokenizer",
     "Corpus",
     "DataError",
+    "document_starts",
     "get_batch",
+    "get_doc_batch",
     "load_corpus",
     "require_length",
     "unigram_entropy",
@@ -214,6 +218,49 @@ def get_batch(
     idx = starts[:, None] + np.arange(block_size + 1)  # (B, T + 1)
     window = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
     return window[:, :-1], window[:, 1:]
+
+
+def document_starts(tokens: np.ndarray, *, min_len: int = 8) -> np.ndarray:
+    """Start offsets of the documents of a byte corpus: text between blank lines ("\\n\\n").
+
+    For Python sources these are functions, classes and import blocks: natural lengths from a
+    few bytes to thousands. Documents shorter than `min_len` are dropped.
+    """
+    arr = np.asarray(tokens)
+    breaks = np.flatnonzero((arr[:-1] == 10) & (arr[1:] == 10)) + 2  # first byte after "\n\n"
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(arr)]])
+    return starts[ends - starts >= min_len]
+
+
+def get_doc_batch(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    *,
+    batch_size: int,
+    buckets: tuple[int, ...],
+    seed: int,
+    step: int,
+    micro: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    stream: int = TRAIN,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Variable-length mode: whole documents padded to the smallest bucket that holds them.
+
+    Returns inputs and targets (B, L) with L a bucket (padding targets are -100, so the loss
+    ignores them), and the number of real target tokens. A pure function of its arguments.
+    """
+    shard = len(starts) // world_size
+    rng = np.random.default_rng([seed, stream, step, micro, rank])
+    picks = rank * shard + rng.integers(0, shard, size=batch_size)
+    ends = np.append(starts[1:], len(tokens))
+    docs = [
+        torch.from_numpy(np.asarray(tokens[a : min(b, a + buckets[-1] + 1)], dtype=np.int64))
+        for a, b in zip(starts[picks], ends[picks], strict=True)
+    ]
+    x, y, lengths = pad_to_bucket(docs, buckets=buckets)
+    return x, y, int(lengths.sum())
 
 
 def unigram_entropy(corpus: Corpus) -> float:

@@ -18,10 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain.autograd_ops import quantize_linear_layers
+from isotrain.buckets import default_buckets
+from isotrain.checkpointing import apply_activation_checkpointing
+from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate
-from isotrain.train.model import GPT, GPTConfig
+from isotrain.train.model import GPT, Block, GPTConfig
 from isotrain.train.optim import build_optimizer, lr_at, set_lr
 from isotrain.train.parallel import (
     DistInfo,
@@ -71,12 +75,9 @@ class Run:
     optimizer: torch.optim.Optimizer
     updater: Updater
     state: TrainState = field(default_factory=TrainState)
+    doc_starts: dict[str, Any] = field(default_factory=dict)
     compile_seconds: float = 0.0
-
-    @property
-    def tokens_per_step(self) -> int:
-        c = self.cfg
-        return c.data.batch_size * c.model.block_size * c.grad_accum * self.dist.world_size
+    compile_base: Any = None  # compile counters right after warm-up
 
 
 def build_model(cfg: TrainConfig) -> GPT:
@@ -116,10 +117,69 @@ def setup(cfg: TrainConfig) -> Run:
     )
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     model = build_model(cfg).to(info.device)
-    train_model = wrap_model(model, cfg.parallel.mode, info)
-    optimizer = build_optimizer(model, cfg.optim)
-    updater = build_updater(cfg, model, optimizer, info)
-    return Run(cfg, info, corpus, model, train_model, optimizer, updater)
+    run = Run(cfg, info, corpus, model, model, None, None)  # type: ignore[arg-type]
+    if cfg.data.varlen:
+        run.doc_starts = {s: data_mod.document_starts(getattr(corpus, s)) for s in ("train", "val")}
+    run.train_model = prepare_model(cfg, model, info, example=batch(run, "train", 0)[:2])
+    run.optimizer = build_optimizer(model, cfg.optim)
+    run.updater = build_updater(cfg, model, run.optimizer, info)
+    return run
+
+
+def prepare_model(
+    cfg: TrainConfig, model: GPT, info: DistInfo, *, example: tuple[torch.Tensor, ...]
+) -> nn.Module:
+    """Quantization-aware layers, activation checkpointing, per-block compile, then DDP/FSDP.
+
+    Each step changes `model` in place (state-dict keys stay clean); only the last one wraps.
+    """
+    if cfg.quant.bits:
+        quantize_linear_layers(
+            model, bits=cfg.quant.bits, activations=cfg.quant.activations, exclude=["lm_head"]
+        )
+    apply_activation_checkpointing(
+        model, policy=cfg.checkpointing.policy, modules=(Block,), example_inputs=example
+    )
+    if cfg.compile.enabled:
+        c = cfg.compile
+        compile_model(
+            model,
+            mode=c.mode,
+            regional=c.regional,
+            backend=c.backend,
+            dynamic=False if cfg.data.varlen else None,
+        )
+    return wrap_model(model, cfg.parallel.mode, info)
+
+
+def buckets(cfg: TrainConfig) -> tuple[int, ...]:
+    """The padded lengths of variable-length mode (or the one fixed length)."""
+    if not cfg.data.varlen:
+        return (cfg.model.block_size,)
+    return cfg.data.buckets or default_buckets(cfg.model.block_size)
+
+
+def batch(
+    run: Run, split: str, step: int, micro: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Inputs, targets (on the device) and real target tokens of one micro-batch of `split`."""
+    cfg, d = run.cfg, run.dist
+    kw = dict(
+        batch_size=cfg.data.batch_size,
+        seed=cfg.seed,
+        step=step,
+        micro=micro,
+        rank=d.rank,
+        world_size=d.world_size,
+        stream=data_mod.TRAIN if split == "train" else data_mod.VAL,
+    )
+    tokens = getattr(run.corpus, split)
+    if cfg.data.varlen:
+        x, y, n = data_mod.get_doc_batch(tokens, run.doc_starts[split], buckets=buckets(cfg), **kw)
+    else:
+        x, y = data_mod.get_batch(tokens, block_size=cfg.model.block_size, **kw)
+        n = y.numel()
+    return x.to(d.device), y.to(d.device), n
 
 
 def train_step(run: Run) -> Any:
@@ -127,47 +187,27 @@ def train_step(run: Run) -> Any:
     cfg, st = run.cfg, run.state
     loss_sum = torch.zeros((), device=run.dist.device)
     for micro in range(cfg.grad_accum):
-        x, y = data_mod.get_batch(
-            run.corpus.train,
-            batch_size=cfg.data.batch_size,
-            block_size=cfg.model.block_size,
-            seed=cfg.seed,
-            step=st.step,
-            micro=micro,
-            rank=run.dist.rank,
-            world_size=run.dist.world_size,
-        )
-        x, y = x.to(run.dist.device), y.to(run.dist.device)
+        x, y, n = batch(run, "train", st.step, micro)
         last = micro == cfg.grad_accum - 1
         with no_grad_sync(run.train_model, sync=last), _autocast(run):
             loss = run.train_model(x, y) / cfg.grad_accum
         loss_sum += run.updater.backward(loss, st.step).detach()
+        st.tokens_seen += n * run.dist.world_size
     set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
     outcome = run.updater.step(loss_sum, st.step)
     st.step += 1
-    st.tokens_seen += run.tokens_per_step
     return outcome
 
 
 def evaluate(run: Run) -> float:
     """Mean validation loss over a fixed set of batches, averaged over ranks."""
-    cfg = run.cfg
     total = torch.zeros((), device=run.dist.device)
     with eval_mode(run.train_model), rng_isolated():
-        for i in range(cfg.eval_batches):
-            x, y = data_mod.get_batch(
-                run.corpus.val,
-                batch_size=cfg.data.batch_size,
-                block_size=cfg.model.block_size,
-                seed=cfg.seed,
-                step=i,
-                rank=run.dist.rank,
-                world_size=run.dist.world_size,
-                stream=data_mod.VAL,
-            )
+        for i in range(run.cfg.eval_batches):
+            x, y, _ = batch(run, "val", i)
             with _autocast(run):
-                total += run.train_model(x.to(run.dist.device), y.to(run.dist.device)).float()
-    return float(all_reduce_mean(total / cfg.eval_batches))  # sync: evaluation result
+                total += run.train_model(x, y).float()
+    return float(all_reduce_mean(total / run.cfg.eval_batches))  # sync: evaluation result
 
 
 def sample(
@@ -184,7 +224,8 @@ def sample(
     device = next(model.parameters()).device
     idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    with eval_mode(model):
+    # Every prompt length is a new shape: run compiled blocks eagerly rather than recompile.
+    with eval_mode(model), torch.compiler.set_stance("force_eager"):
         out = model.generate(
             idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen
         )
@@ -204,11 +245,18 @@ def load_model(source: str, *, which: str = "latest") -> GPT:
 
 
 def _log(
-    run: Run, reporter: Reporter, metrics: MetricsWriter, outcome: Any, dt: float, steps: int
+    run: Run, reporter: Reporter, metrics: MetricsWriter, outcome: Any, dt: float, tokens: int
 ) -> None:
     """Read the step outcome (the one sync of a log step) and write it everywhere."""
     rec = run.updater.read(outcome)  # sync: log step only
-    tps = steps * run.tokens_per_step / max(dt, 1e-9)
+    if run.cfg.compile.enabled:  # counted since warm-up: anything here is a mid-run compile
+        c, base = compile_counters(), run.compile_base
+        rec.update(
+            compiles_after_warmup=c.compilations - base.compilations,
+            recompiles_after_warmup=c.recompiles - base.recompiles,
+            graph_breaks_after_warmup=c.graph_breaks - base.graph_breaks,
+        )
+    tps = tokens / max(dt, 1e-9)
     lr = run.optimizer.param_groups[0]["lr"]
     metrics.write(
         "train",
@@ -253,34 +301,68 @@ def _start(cfg: TrainConfig) -> Run:
 
 
 def train(cfg: TrainConfig) -> TrainState:
-    """Train end to end: setup or resume, then evaluate / snapshot / step / log, then finish."""
+    """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log."""
     with rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
         run = _start(cfg)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         metrics = MetricsWriter(Path(cfg.out_dir), enabled=main)
         metrics.write("config", step=st.step, config=dataclasses.asdict(cfg))
         baseline = data_mod.unigram_entropy(run.corpus)
-        first = st.step
         with Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter:
-            reporter.header(cfg, _facts(run, first))
-            timer = _Timer(st.step)
-            while st.step < cfg.steps and not stop:
-                if st.step != first:
-                    with timer.paused():
-                        if st.step % cfg.eval_every == 0:
-                            _evaluate_and_record(run, reporter, metrics, baseline)
-                        if cfg.snapshot.every and st.step % cfg.snapshot.every == 0:
-                            save_run(run)
-                outcome = train_step(run)
-                if st.step % cfg.log_every == 0 or st.step == cfg.steps:
-                    _log(run, reporter, metrics, outcome, *timer.lap(st.step))
+            reporter.header(cfg, _facts(run, st.step))
+            if cfg.compile.enabled:
+                _warm_up(run, reporter, metrics)
+            with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
+                train_time = _loop(run, reporter, metrics, baseline, stop)
             if stop:
                 reporter.line(f"signal {stop.signal}: snapshot at step {st.step}, then exit")
                 save_run(run)
                 return st
             _evaluate_and_record(run, reporter, metrics, baseline)
-            _finish(run, reporter, metrics, baseline, timer.total)
+            _finish(run, reporter, metrics, baseline, train_time)
         return st
+
+
+def _loop(
+    run: Run, reporter: Reporter, metrics: MetricsWriter, baseline: float, stop: Any
+) -> float:
+    """Steps until the end (or a signal); returns the seconds spent in training steps."""
+    cfg, st = run.cfg, run.state
+    first, timer = st.step, _Timer(st.tokens_seen)
+    while st.step < cfg.steps and not stop:
+        if st.step != first:
+            with timer.paused():
+                if st.step % cfg.eval_every == 0:
+                    _evaluate_and_record(run, reporter, metrics, baseline)
+                if cfg.snapshot.every and st.step % cfg.snapshot.every == 0:
+                    save_run(run)
+        outcome = train_step(run)
+        if st.step % cfg.log_every == 0 or st.step == cfg.steps:
+            _log(run, reporter, metrics, outcome, *timer.lap(st.tokens_seen))
+    return timer.total
+
+
+def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
+    """Compile every shape the run will see (train and eval) now, timed on its own."""
+    cfg = run.cfg
+    shapes = [
+        (torch.zeros(cfg.data.batch_size, n, dtype=torch.long, device=run.dist.device),) * 2
+        for n in buckets(cfg)
+    ]
+    with _autocast(run):
+        stats = warmup(run.model, shapes, also_eval=True)
+    run.compile_seconds, run.compile_base = stats.wall_seconds, compile_counters()
+    metrics.write(
+        "compile",
+        step=run.state.step,
+        seconds=stats.wall_seconds,
+        compilations=stats.compilations,
+        graph_breaks=stats.graph_breaks,
+    )
+    reporter.line(
+        f"compiled {len(shapes)} shape(s) in {stats.wall_seconds:.1f} s "
+        f"({stats.compilations} graphs, {stats.graph_breaks} graph breaks)"
+    )
 
 
 def _facts(run: Run, first: int) -> list[str]:
@@ -295,8 +377,8 @@ def _facts(run: Run, first: int) -> list[str]:
 class _Timer:
     """Wall time of training steps only: evaluation and snapshots are paused out."""
 
-    def __init__(self, step: int) -> None:
-        self.t0, self.step, self.total = time.perf_counter(), step, 0.0
+    def __init__(self, tokens: int) -> None:
+        self.t0, self.tokens, self.total = time.perf_counter(), tokens, 0.0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -306,12 +388,12 @@ class _Timer:
         finally:
             self.t0 = time.perf_counter()
 
-    def lap(self, step: int) -> tuple[float, int]:
-        """Seconds and steps since the last lap."""
+    def lap(self, tokens: int) -> tuple[float, int]:
+        """Seconds and tokens since the last lap."""
         now = time.perf_counter()
-        dt, n = now - self.t0, step - self.step
+        dt, n = now - self.t0, tokens - self.tokens
         self.total += dt
-        self.t0, self.step = now, step
+        self.t0, self.tokens = now, tokens
         return dt, n
 
 
@@ -331,6 +413,7 @@ def _finish(
         "best_val_loss": st.best_val,
         "unigram_baseline": baseline,
         "train_seconds": train_time,
+        "compile_seconds": run.compile_seconds,
         **run.updater.totals(),
     }
     metrics.write("summary", **summary)

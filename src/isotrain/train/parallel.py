@@ -1,12 +1,13 @@
 """torchrun process group, DDP / FSDP2 wrapping, and rank helpers.
 
 isotrain never launches processes itself: `torchrun` sets RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR and MASTER_PORT, and this module reads them.
+MASTER_ADDR and MASTER_PORT, and this module reads them. NCCL on CUDA, gloo on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +18,15 @@ from torch import nn
 
 from isotrain.train.config import ConfigError
 
-__all__ = ["DistInfo", "all_reduce_mean", "init_distributed", "no_grad_sync", "wrap_model"]
+__all__ = [
+    "DistInfo",
+    "all_reduce_mean",
+    "full_value",
+    "init_distributed",
+    "no_grad_sync",
+    "process_group_scope",
+    "wrap_model",
+]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -55,8 +64,20 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     return device
 
 
+def _env_ints() -> tuple[int, int, int]:
+    """RANK, WORLD_SIZE, LOCAL_RANK as ints, with a clear error when one is not a number."""
+    try:
+        rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError as e:
+        raise ConfigError(f"a torchrun variable is not an integer ({e}); use torchrun") from e
+    return rank, world, local
+
+
 def init_distributed(mode: str, device_name: str) -> DistInfo:
-    """Join the torchrun process group when launched by torchrun; else a world of one."""
+    """Join the torchrun process group when launched by torchrun; else a world of one.
+
+    Ranks other than 0 log warnings and errors only, so INFO lines appear once.
+    """
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if not present:
         if mode != "none":
@@ -71,24 +92,72 @@ def init_distributed(mode: str, device_name: str) -> DistInfo:
             f"the distributed environment is half set: {', '.join(present)} present but "
             f"{', '.join(missing)} missing; launch with torchrun, or unset them all"
         )
-    rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    rank, world, local = _env_ints()
+    if world > 1 and mode == "none":
+        raise ConfigError(
+            f"torchrun started {world} processes but --parallel.mode is none, so each would "
+            "train its own copy; pass --parallel.mode ddp or --parallel.mode fsdp"
+        )
     device = resolve_device(device_name, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":  # device_id binds this rank's GPU to the NCCL communicator
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
+    if rank != 0:
+        logging.getLogger("isotrain").setLevel(logging.WARNING)
     return DistInfo(rank, world, local, device)
 
 
+@contextlib.contextmanager
+def process_group_scope() -> Iterator[None]:
+    """Destroy the process group on exit if it was created inside the block.
+
+    Wrap a run with it so every exit path (end, error, signal) tears the group down; a group
+    that already existed on entry (a caller's own) is left alone. Also restores log levels.
+
+    Example::
+
+        with process_group_scope():
+            train(cfg)  # init_distributed() inside joins the torchrun group
+    """
+    owned = not (dist.is_available() and dist.is_initialized())
+    logger = logging.getLogger("isotrain")
+    level = logger.level
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if owned and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise TypeError(
+            f"FSDP wraps each block of model.blocks, but {type(model).__name__} has no "
+            "nn.ModuleList named 'blocks'; call torch.distributed.fsdp.fully_shard yourself"
+        )
+    return list(blocks)
+
+
 def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
-    """DDP wraps the whole model; FSDP2 shards each block, then the root (torch's own engine)."""
+    """DDP wraps the whole model; FSDP2 shards each block, then the root (torch's own engine).
+
+    Apply activation checkpointing and per-block compile (in place) first: FSDP2 keeps an
+    instance-level `forward` override and a block's `_compiled_call_impl`, and keys stay clean.
+    FSDP2 shards in place, so the returned module is `model` itself (now holding DTensors).
+    """
     if mode == "ddp":
         ids = [info.device.index] if info.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in _blocks(model):
             fully_shard(block)
         fully_shard(model)
         return model
@@ -97,7 +166,11 @@ def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
 
 @contextlib.contextmanager
 def no_grad_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce for micro-batches before the last one."""
+    """Skip the gradient all-reduce / reduce-scatter for micro-batches before the last one.
+
+    DDP: `no_sync()`. FSDP2: `set_requires_gradient_sync(False)` (recursive; grads accumulate
+    unsharded until the last micro-batch reduces them). Otherwise a no-op.
+    """
     if sync:
         yield
     elif isinstance(model, nn.parallel.DistributedDataParallel):
@@ -115,9 +188,16 @@ def no_grad_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
 
 def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     """Mean of `t` over ranks (identity in a world of one); stays on device."""
+    t = full_value(t)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.AVG if t.is_cuda else dist.ReduceOp.SUM)
         if not t.is_cuda:
             t /= dist.get_world_size()
     return t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: the full value of an FSDP2 DTensor (e.g. a clip_grad_norm_ result)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t

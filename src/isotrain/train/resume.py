@@ -19,6 +19,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from isotrain.train.config import ConfigError, TrainConfig, flag
+from isotrain.train.dist_snapshot import (
+    barrier,
+    check_layout,
+    gather_to_main,
+    load_sharded,
+    rank_rng_state,
+    save_sharded,
+)
 from isotrain.train.report import METRICS_FILE
 from isotrain.train.snapshot import find_snapshots, load_snapshot, save_snapshot
 
@@ -47,21 +55,33 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_run(run: Run) -> Path | None:
-    """Snapshot everything the run needs to continue bit for bit (rank 0 writes)."""
-    if not run.dist.is_main:
-        return None
-    st = run.state
-    payload = {
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+    """Snapshot everything the run needs to continue bit for bit; returns its path on rank 0.
+
+    Call it on every rank: RNG states are gathered (each rank has its own stream), and under
+    FSDP every rank writes its shards. Otherwise rank 0 writes the one copy.
+    """
+    st, info = run.state, run.dist
+    rng = _rng_state()
+    payload: dict[str, Any] = {
         "updater": run.updater.state_dict(),
         "train_state": dataclasses.asdict(st),
-        "rng": _rng_state(),
+        "rng": rng,
         "config": dataclasses.asdict(run.cfg),
+        "world_size": info.world_size,
     }
-    return save_snapshot(
-        run.cfg.out_dir, payload, step=st.step, val_loss=st.last_val, keep=run.cfg.snapshot.keep
-    )
+    if info.distributed:
+        payload["rng_per_rank"] = gather_to_main(rng)  # collective: every rank gets here
+    where = {"step": st.step, "val_loss": st.last_val, "keep": run.cfg.snapshot.keep}
+    if run.cfg.parallel.mode == "fsdp":
+        path = save_sharded(run.cfg.out_dir, run.model, run.optimizer, payload, **where)
+        return path if info.is_main else None
+    path = None
+    if info.is_main:
+        payload.update(model=run.model.state_dict(), optimizer=run.optimizer.state_dict())
+        path = save_snapshot(run.cfg.out_dir, payload, **where)
+    if info.distributed:
+        barrier()  # the snapshot is complete on return, on every rank
+    return path
 
 
 def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -111,12 +131,23 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
         return False
     payload, path = load_snapshot(out)
     changes = check_compatible(payload["config"], run.cfg)
-    run.model.load_state_dict(payload["model"])
-    run.optimizer.load_state_dict(payload["optimizer"])
+    check_layout(payload, path, mode=run.cfg.parallel.mode, world_size=run.dist.world_size)
+    if payload.get("sharded"):
+        load_sharded(path, run.model, run.optimizer)
+    else:
+        run.model.load_state_dict(payload["model"])
+        run.optimizer.load_state_dict(payload["optimizer"])
     run.updater.load_state_dict(payload["updater"])
     for key, value in payload["train_state"].items():
         setattr(run.state, key, value)
-    _set_rng_state(payload["rng"])
+    _set_rng_state(rank_rng_state(payload, run.dist.rank))
+    if payload.get("world_size", 1) != run.dist.world_size:
+        log.warning(
+            "resuming a snapshot of %s ranks with %d: batches and random streams differ from "
+            "the original run from here on",
+            payload.get("world_size", 1),
+            run.dist.world_size,
+        )
     if run.dist.is_main:
         _truncate_metrics(out, run.state.step)
     for change in changes:

@@ -1,0 +1,231 @@
+"""Snapshots of distributed runs: per-rank RNG states, and FSDP2 shards through DCP.
+
+DDP keeps one copy of model and optimizer (rank 0 writes it through `snapshot.py`), but each
+rank has its own RNG stream, so every rank's state is gathered to rank 0 and stored as a list.
+FSDP2 state is sharded: every rank writes its shards with `torch.distributed.checkpoint` into
+the same temporary directory, then rank 0 adds `state.pt` (the rest), `meta.json`, renames the
+directory and moves LATEST, exactly as `snapshot.py` does for one process::
+
+    RUN/snapshots/step_0000400/shards/     DCP files: .metadata, __0_0.distcp, __1_0.distcp, ...
+    RUN/snapshots/step_0000400/state.pt    counters, updater, per-rank RNG, config (no weights)
+    RUN/snapshots/step_0000400/meta.json   as snapshot.py, plus the shard files and their sizes
+
+All ranks must see the run directory (one node, or a shared filesystem across nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isotrain.train.config import ConfigError
+from isotrain.train.snapshot import (
+    FORMAT_VERSION,
+    SnapshotError,
+    _fsync_dir,
+    _meta,
+    _prune,
+    _read_pointer,
+    _sha256,
+    _write_atomic,
+)
+
+__all__ = [
+    "SHARDS",
+    "barrier",
+    "check_layout",
+    "gather_to_main",
+    "load_full_model",
+    "load_sharded",
+    "rank_rng_state",
+    "save_sharded",
+]
+
+SHARDS = "shards"  # the DCP directory inside a snapshot
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_to_main(obj: Any) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere). A collective call."""
+    rank, world = _world()
+    if world == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def rank_rng_state(payload: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The RNG state that `rank` saved; rank 0's for snapshots without per-rank states."""
+    per_rank = payload.get("rng_per_rank") or []
+    return per_rank[rank] if rank < len(per_rank) else payload["rng"]
+
+
+def check_layout(payload: dict[str, Any], path: Path, *, mode: str, world_size: int) -> None:
+    """Refuse a resume that cannot continue the snapshot: sharded vs not, world size of FSDP."""
+    saved_world = int(payload.get("world_size", 1))
+    relaunch = f"torchrun --nproc-per-node {saved_world} (in total over all nodes)"
+    if payload.get("sharded"):
+        if mode != "fsdp":
+            raise ConfigError(
+                f"cannot resume: {path} holds FSDP shards from {saved_world} ranks but "
+                f"--parallel.mode is {mode}; relaunch with {relaunch} and --parallel.mode fsdp"
+            )
+        if saved_world != world_size:
+            raise ConfigError(
+                f"cannot resume: {path} was written by {saved_world} FSDP ranks but this run "
+                f"has {world_size}. A different world size changes every rank's shard of the "
+                "data, the global batch (tokens per step) and the per-rank random streams, so "
+                f"the run would not continue as it was. Relaunch with {relaunch}, or start a "
+                "new --out-dir"
+            )
+    elif mode == "fsdp":
+        raise ConfigError(
+            f"cannot resume: {path} is a single-copy snapshot (--parallel.mode ddp or none), but "
+            "--parallel.mode is fsdp; resume it in the mode that wrote it"
+        )
+
+
+def save_sharded(
+    run_dir: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    payload: dict[str, Any],
+    *,
+    step: int,
+    val_loss: float | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write an FSDP2 snapshot of `step` (a collective: every rank calls it); returns its path.
+
+    `payload` is what rank 0 stores beside the shards (model and optimizer go to the shards).
+    """
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank, world = _world()
+    root, name = Path(run_dir) / "snapshots", f"step_{step:07d}"
+    token = [os.getpid()]  # rank 0 names the temporary directory that every rank writes into
+    if world > 1:
+        dist.broadcast_object_list(token, src=0)
+    final, tmp = root / name, root / f".tmp_{name}_{token[0]}"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDS)
+    barrier()  # every rank's shards are on disk before rank 0 publishes the directory
+    if rank == 0:
+        _publish(root, tmp, final, payload, step=step, val_loss=val_loss, keep=keep)
+    barrier()  # nobody moves on (or exits) before the snapshot is complete
+    return final
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing to wait for in a world of one)."""
+    if _world()[1] > 1:
+        dist.barrier()
+
+
+def _publish(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    payload: dict[str, Any],
+    *,
+    step: int,
+    val_loss: float | None,
+    keep: int,
+) -> None:
+    """Rank 0: state.pt and meta.json into `tmp`, rename it to `final`, move the pointers."""
+    with (tmp / "state.pt").open("wb") as f:
+        torch.save({"format_version": FORMAT_VERSION, **payload, "sharded": True}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shards = tmp / SHARDS
+    files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "val_loss": val_loss,
+        "sha256": _sha256(tmp / "state.pt"),
+        "sharded": True,
+        "world_size": payload.get("world_size"),
+        "shard_files": files,
+    }
+    _fsync_dir(shards)
+    _write_atomic(tmp / "meta.json", json.dumps(meta).encode())
+    if final.exists():  # re-saving the same step (the final snapshot): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / "LATEST", final.name.encode())
+    best = _read_pointer(root / "BEST")
+    best_loss = _meta(root / best).get("val_loss") if best and (root / best).exists() else None
+    if val_loss is not None and (best_loss is None or val_loss <= best_loss):
+        _write_atomic(root / "BEST", final.name.encode())
+    _prune(root, keep)
+
+
+def _check_shards(path: Path) -> Path:
+    """The shard directory of snapshot `path`, after checking every file is there, whole."""
+    shards = path / SHARDS
+    expected = json.loads((path / "meta.json").read_text()).get("shard_files") or {}
+    bad = [
+        n
+        for n, size in expected.items()
+        if not (shards / n).is_file() or (shards / n).stat().st_size != size
+    ]
+    if not expected or bad:
+        raise SnapshotError(
+            f"{path}: FSDP shard files missing or truncated ({', '.join(bad) or 'none listed'}); "
+            "resume from an older snapshot by removing this one"
+        )
+    return shards
+
+
+def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load an FSDP2 snapshot's shards into the sharded `model` and `optimizer` (collective)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shards = _check_shards(Path(path))
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
+    state = {"model": model_sd, "optimizer": optim_sd}
+    load(state, checkpoint_id=shards)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+
+
+def load_full_model(path: str | Path, model: nn.Module) -> nn.Module:
+    """Fill a plain (unsharded) `model` from an FSDP2 snapshot, in one process; returns it.
+
+    Example::
+
+        model = load_full_model("runs/x/snapshots/step_0000400", build_model(cfg))
+    """
+    from torch.distributed.checkpoint import load
+
+    shards = _check_shards(Path(path))
+    sd = model.state_dict()
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        load({"model": sd}, checkpoint_id=shards, no_dist=True)  # reads every rank's shards
+    model.load_state_dict(sd)
+    return model

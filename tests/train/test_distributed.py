@@ -1,0 +1,403 @@
+"""Distributed training: torchrun environment, DDP / FSDP2 gradients, guard agreement, snapshots.
+
+Fast tests run in-process (a gloo world of one where a process group is needed). The slow ones
+share ONE spawned gloo world of two CPU processes (~6 s to start): the workers run every check
+and write what they measured to JSON; each test below asserts on its part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isotrain.guard import StepGuard
+from isotrain.train import config as C
+from isotrain.train import data as data_mod
+from isotrain.train.dist_snapshot import (
+    check_layout,
+    load_full_model,
+    load_sharded,
+    rank_rng_state,
+    save_sharded,
+)
+from isotrain.train.model import GPT, GPTConfig
+from isotrain.train.parallel import (
+    DistInfo,
+    full_value,
+    init_distributed,
+    no_grad_sync,
+    process_group_scope,
+    wrap_model,
+)
+
+WORLD = 2
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _smoke(**kw) -> C.TrainConfig:
+    base = C.PRESETS["smoke"]()
+    return dataclasses.replace(base, data=dataclasses.replace(base.data, max_bytes=60_000), **kw)
+
+
+def _model(seed: int = 0) -> GPT:
+    m = _smoke().model
+    cfg = GPTConfig(n_layer=m.n_layer, n_head=m.n_head, d_model=m.d_model, block_size=32)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return GPT(cfg)
+
+
+def _batch(corpus, micro: int, rank: int, world: int = WORLD):
+    return data_mod.get_batch(
+        corpus.train, batch_size=4, block_size=32, seed=0, step=0, micro=micro, rank=rank,
+        world_size=world,
+    )  # fmt: skip
+
+
+def _corpus():
+    return data_mod.load_corpus(None, max_bytes=60_000, val_fraction=0.1)
+
+
+def _alter_blocks(model: nn.Module, *, compile: bool) -> None:
+    """Checkpoint each block through a forward override, then compile it in place (eager)."""
+    for block in model.blocks:
+        inner = type(block).forward
+
+        def forward(self, x, _inner=inner):
+            return checkpoint(_inner, self, x, use_reentrant=False)
+
+        block.forward = types.MethodType(forward, block)
+        if compile:
+            block.compile(backend="eager")
+
+
+def _max_rel_diff(model: nn.Module, ref: nn.Module) -> float:
+    """Largest |g - g_ref| / max|g_ref| over parameters (DTensor grads gathered first)."""
+    worst = 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        g = full_value(p.grad)
+        worst = max(worst, float((g - q.grad).abs().max() / q.grad.abs().max()))
+    return worst
+
+
+# ------------------------------------------------------------------ in-process: environment
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in ENV:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+def test_half_set_environment_is_refused(clean_env) -> None:
+    clean_env.setenv("WORLD_SIZE", "2")
+    clean_env.setenv("RANK", "0")
+    with pytest.raises(
+        C.ConfigError,
+        match=r"half set: RANK, WORLD_SIZE present but LOCAL_RANK, MASTER_ADDR, MASTER_PORT "
+        r"missing; launch with torchrun, or unset them all",
+    ):
+        init_distributed("ddp", "cpu")
+    assert not dist.is_initialized()
+
+
+def test_parallel_mode_needs_torchrun_and_torchrun_needs_a_mode(clean_env) -> None:
+    with pytest.raises(C.ConfigError, match=r"--parallel.mode fsdp needs torchrun: torchrun "):
+        init_distributed("fsdp", "cpu")
+    assert init_distributed("none", "cpu") == DistInfo(0, 1, 0, torch.device("cpu"))
+    for v, value in zip(ENV, ("1", "2", "1", "127.0.0.1", "29500")):
+        clean_env.setenv(v, value)
+    with pytest.raises(C.ConfigError, match="started 2 processes but --parallel.mode is none"):
+        init_distributed("none", "cpu")
+    clean_env.setenv("RANK", "one")
+    with pytest.raises(C.ConfigError, match="not an integer"):
+        init_distributed("ddp", "cpu")
+    assert not dist.is_initialized()
+
+
+def _world_of_one(monkeypatch) -> None:
+    for v, value in zip(ENV, ("0", "1", "0", "127.0.0.1", str(_free_port()))):
+        monkeypatch.setenv(v, value)
+
+
+def test_scope_destroys_only_the_group_it_saw_created(clean_env) -> None:
+    _world_of_one(clean_env)
+    with process_group_scope():
+        info = init_distributed("ddp", "cpu")
+        assert dist.is_initialized() and dist.get_backend() == "gloo"
+        assert (info.rank, info.world_size, info.is_main, info.distributed) == (0, 1, True, False)
+        with process_group_scope():  # an inner scope leaves the outer group alone
+            init_distributed("ddp", "cpu")
+        assert dist.is_initialized()
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="boom"), process_group_scope():
+        init_distributed("fsdp", "cpu")
+        raise RuntimeError("boom")
+    assert not dist.is_initialized()
+
+
+# -------------------------------------------- in-process: FSDP2 and DCP in a gloo world of one
+def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, tmp_path) -> None:
+    """Checkpointed + compiled blocks shard; a DCP snapshot restores model and optimizer."""
+    _world_of_one(clean_env)
+    corpus, info = _corpus(), DistInfo(0, 1, 0, torch.device("cpu"))
+    x, y = _batch(corpus, 0, 0, world=1)
+    try:
+        with process_group_scope():
+            init_distributed("fsdp", "cpu")
+            ref, model = _model(), _model()
+            _alter_blocks(model, compile=True)
+            wrap_model(model, "fsdp", info)
+            ref(x, y).backward()
+            model(x, y).backward()
+            assert _max_rel_diff(model, ref) < 1e-5  # order may differ: see NOTE in the worker
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            opt.step()
+            snap = save_sharded(tmp_path, model, opt, {"world_size": 1}, step=1)
+            assert (tmp_path / "snapshots" / "LATEST").read_text() == "step_0000001"
+            fresh = _model(seed=1)
+            wrap_model(fresh, "fsdp", info)
+            fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, fused=True)
+            load_sharded(snap, fresh, fresh_opt)
+            for p, q in zip(model.parameters(), fresh.parameters()):
+                assert torch.equal(p.full_tensor(), q.full_tensor())
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    a, b = opt.state[p][k], fresh_opt.state[q][k]
+                    assert torch.equal(full_value(a), full_value(b))
+            plain = load_full_model(snap, _model(seed=2))
+            for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+                assert torch.equal(p.full_tensor(), q), n
+    finally:
+        torch._dynamo.reset()
+    (snap / "shards" / "__0_0.distcp").write_bytes(b"truncated")
+    with pytest.raises(Exception, match="shard files missing or truncated"):
+        load_full_model(snap, _model())
+
+
+def test_resume_layout_refusals_name_both_world_sizes() -> None:
+    p = Path("run/snapshots/step_0000004")
+    with pytest.raises(C.ConfigError, match=r"written by 4 FSDP ranks but this run has 2\..*"
+                       r"Relaunch with torchrun --nproc-per-node 4"):  # fmt: skip
+        check_layout({"sharded": True, "world_size": 4}, p, mode="fsdp", world_size=2)
+    with pytest.raises(C.ConfigError, match=r"FSDP shards from 2 ranks but --parallel.mode is ddp"):
+        check_layout({"sharded": True, "world_size": 2}, p, mode="ddp", world_size=2)
+    with pytest.raises(C.ConfigError, match=r"single-copy snapshot .* --parallel.mode is fsdp"):
+        check_layout({"world_size": 2}, p, mode="fsdp", world_size=2)
+    check_layout({"world_size": 2}, p, mode="ddp", world_size=3)  # DDP: allowed, with a warning
+    check_layout({"sharded": True, "world_size": 2}, p, mode="fsdp", world_size=2)
+    payload = {"rng": "zero", "rng_per_rank": ["zero", "one"]}
+    assert [rank_rng_state(payload, r) for r in range(3)] == ["zero", "one", "zero"]
+    assert rank_rng_state({"rng": "only"}, 1) == "only"
+
+
+# ------------------------------------------------------------------ the spawned world of two
+# NOTE [gradient tolerance]: DDP sums each rank's mean gradient over 4 sequences and divides by
+# 2; one process takes the mean over 8 at once. Same math, other float32 summation order: the
+# results may differ in the last bits (relative ~1e-7 per addition), so we allow 1e-5 of the
+# largest gradient entry. A wrong averaging (sum instead of mean, a missed rank) is off by 2x.
+GRAD_TOL = 1e-5
+
+
+def _check_grads(info: DistInfo, corpus, mode: str) -> dict:
+    """Two micro-batches, the first without gradient sync; compare to one process."""
+    ref, model = _model(), _model()
+    if mode == "fsdp":  # compile is covered in the world of one (it costs seconds per process)
+        _alter_blocks(model, compile=False)
+    wrapped = wrap_model(model, mode, info)
+    local = None
+    for micro in range(2):
+        x, y = _batch(corpus, micro, info.rank)
+        with no_grad_sync(wrapped, sync=micro == 1):
+            (wrapped(x, y) / 2).backward()
+        if micro == 0 and mode == "ddp":
+            local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for micro in range(2):  # the global batch: every rank's micro-batch, concatenated
+        xs, ys = zip(*(_batch(corpus, micro, r) for r in range(WORLD)))
+        (ref(torch.cat(xs), torch.cat(ys)) / 2).backward()
+    out = {f"{mode}_grad_rel_diff": _max_rel_diff(model, ref)}
+    if local is not None:  # under no_sync the grads are this rank's own, not yet averaged
+        own = _model()
+        x, y = _batch(corpus, 0, info.rank)
+        (own(x, y) / 2).backward()
+        out["ddp_no_sync_kept_local"] = all(
+            torch.equal(local[n], p.grad) for n, p in own.named_parameters()
+        )
+    return out
+
+
+def _same_on_all_ranks(params) -> bool:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    got = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(got, flat)
+    return all(torch.equal(got[0], g) for g in got)
+
+
+def _check_guard(info: DistInfo) -> dict:
+    """NaN in rank 1's loss only (grads finite): both ranks skip; then both apply."""
+    out = {}
+    for mode in ("host", "select"):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            lin = nn.Linear(4, 2)
+        ddp = nn.parallel.DistributedDataParallel(lin)
+        opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=mode == "host")
+        guard = StepGuard(opt, lin, max_norm=1.0, spike_k=None, skip_mode=mode)
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(info.rank))
+        applied, unchanged, same = [], [], []
+        for step in range(2):
+            loss = ddp(x).square().mean()
+            loss.backward()
+            nan = float("nan") if (info.rank == 1 and step == 0) else 0.0
+            before = [p.detach().clone() for p in lin.parameters()]
+            outcome = guard.step(loss.detach() + nan)
+            applied.append(bool(outcome.applied))
+            unchanged.append(all(torch.equal(a, b) for a, b in zip(before, lin.parameters())))
+            same.append(_same_on_all_ranks(lin.parameters()))
+        out[f"guard_{mode}"] = {"applied": applied, "unchanged": unchanged, "same": same}
+    return out
+
+
+def _check_rng_per_rank(info: DistInfo, out_dir: Path) -> dict:
+    """DDP save_run stores every rank's RNG state; resume gives each rank its own back."""
+    from isotrain.train.loop import setup
+    from isotrain.train.resume import maybe_resume, save_run
+
+    cfg = _smoke(parallel=C.ParallelConfig(mode="ddp"), out_dir=str(out_dir / "rng"))
+    run = setup(cfg)
+    torch.manual_seed(100 + info.rank)  # ranks with different streams (e.g. per-rank dropout)
+    save_run(run)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    resumed = maybe_resume(run, required=True)
+    return {"rng_resumed": resumed, "rng_restored": torch.equal(torch.rand(4), expected)}
+
+
+def _fsdp_cfg(out: Path) -> C.TrainConfig:
+    cfg = _smoke(
+        parallel=C.ParallelConfig(mode="fsdp"),
+        snapshot=C.SnapshotConfig(every=3, keep=10),
+        steps=6,
+        eval_every=3,
+        log_every=1,
+        sample_tokens=4,
+        out_dir=str(out),
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.1))
+
+
+def _check_fsdp_resume(info: DistInfo, out_dir: Path) -> dict:
+    """The trainer's own train(): 6 steps straight == 3 steps, snapshot, resume for 3."""
+    from isotrain.train.loop import train
+
+    straight, resumed = out_dir / "straight", out_dir / "resumed"
+    st = train(_fsdp_cfg(straight))
+    if info.is_main:
+        shutil.copytree(
+            straight / "snapshots" / "step_0000003", resumed / "snapshots" / "step_0000003"
+        )
+    dist.barrier()
+    st2 = train(_fsdp_cfg(resumed))
+    return {"fsdp_steps": [st.step, st2.step]}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    res: dict = {}
+    with process_group_scope():
+        info = init_distributed("ddp", "cpu")
+        corpus = _corpus()
+        res.update(_check_grads(info, corpus, "ddp"))
+        res.update(_check_grads(info, corpus, "fsdp"))
+        res.update(_check_guard(info))
+        res.update(_check_rng_per_rank(info, Path(out)))
+        res.update(_check_fsdp_resume(info, Path(out)))
+        res["world"] = dist.get_world_size()
+    res["destroyed"] = not dist.is_initialized()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> tuple[list[dict], Path]:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("world")
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setenv("OMP_NUM_THREADS", "1")
+        for v in ENV:
+            mpatch.delenv(v, raising=False)
+        mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_gradients_equal_one_process_on_the_global_batch(world) -> None:
+    for res in world[0]:
+        assert res["world"] == WORLD and res["destroyed"]
+        assert res["ddp_grad_rel_diff"] < GRAD_TOL, res["ddp_grad_rel_diff"]
+        assert res["fsdp_grad_rel_diff"] < GRAD_TOL, res["fsdp_grad_rel_diff"]
+        assert res["ddp_no_sync_kept_local"]
+
+
+@pytest.mark.slow
+def test_nan_on_one_rank_skips_the_step_on_every_rank(world) -> None:
+    for res in world[0]:
+        for mode in ("host", "select"):
+            assert res[f"guard_{mode}"] == {
+                "applied": [False, True],
+                "unchanged": [True, False],
+                "same": [True, True],
+            }, (mode, res[f"guard_{mode}"])
+
+
+@pytest.mark.slow
+def test_ddp_snapshot_restores_each_ranks_own_rng(world) -> None:
+    for res in world[0]:
+        assert res["rng_resumed"] and res["rng_restored"]
+    from isotrain.train.snapshot import load_snapshot
+
+    payload, _ = load_snapshot(world[1] / "rng")
+    a, b = payload["rng_per_rank"]
+    assert payload["world_size"] == 2 and not torch.equal(a["torch"], b["torch"])
+
+
+@pytest.mark.slow
+def test_fsdp_resume_equals_the_uninterrupted_run(world) -> None:
+    from isotrain.train.report import read_metrics
+
+    for res in world[0]:
+        assert res["fsdp_steps"] == [6, 6]
+    straight, resumed = world[1] / "straight", world[1] / "resumed"
+    snaps = [d / "snapshots" / "step_0000006" for d in (straight, resumed)]
+    a, b = (load_full_model(s, _model(seed=i)) for i, s in enumerate(snaps))
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    for f in (snaps[0] / "shards").iterdir():  # optimizer shards too, byte for byte
+        assert f.read_bytes() == (snaps[1] / "shards" / f.name).read_bytes(), f.name
+    meta = json.loads((snaps[0] / "meta.json").read_text())
+    assert meta["world_size"] == 2 and len(meta["shard_files"]) == 3  # 2 ranks + .metadata
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
+
+    la, lb = losses(straight), losses(resumed)
+    assert sorted(lb) == [4, 5, 6] and {s: la[s] for s in lb} == lb
