@@ -321,18 +321,45 @@ def apply_activation_checkpointing(
 
 
 # ---------------------------------------------------------------------------- budget
-def _saved_bytes(
+# NOTE [budget profile]: a budget matters when the unwrapped model does not fit, so planning
+# never builds the unwrapped graph: one forward with every block checkpointed gives the bytes
+# outside the blocks and each block's inputs (what checkpointing it keeps); each block then
+# runs alone on its captured input for its unwrapped bytes and FLOPs. Peak: full + one block.
+def _profile_blocks(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: tuple
+) -> tuple[int, list[int], list[int], list[int]]:
+    """(bytes outside blocks, per-block unwrapped bytes, checkpointed bytes, forward FLOPs)."""
+    captured: list[tuple[tuple, dict]] = []
+
+    def capture(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        captured.append((args, kwargs))
+
+    handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for _, m in blocks]
+    for _, mod in blocks:
+        _wrap(mod)
+    try:
+        ckpt, _ = _saved_bytes(model, blocks, inputs)
+    finally:
+        for (_, mod), h in zip(blocks, handles, strict=True):
+            _unwrap(mod)
+            h.remove()
+    plain, flops = [], []
+    for (name, mod), (args, kwargs) in zip(blocks, captured, strict=True):
+        saved, fl = _saved_bytes(mod, [(name, mod)], args, kwargs)
+        plain.append(sum(saved.values()))
+        flops.append(fl.get(name, 0))
+    return ckpt.get("", 0), plain, [ckpt.get(n, 0) for n, _ in blocks], flops
+
+
+def _saved_bytes(
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple, kwargs: dict | None = None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Per-block saved bytes ('' = outside blocks) and forward FLOPs of one forward."""
-    with torch.random.fork_rng(devices=_cuda_devices(inputs)), torch.enable_grad():
-        out, saved, flops, _ = profile_forward(model, blocks, inputs)
+    devices = sorted({t.device for t in args if isinstance(t, torch.Tensor) and t.is_cuda}, key=str)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        out, saved, flops, _ = profile_forward(model, blocks, args, kwargs)
     del out  # frees the graph and everything it saved
     return saved, flops
-
-
-def _cuda_devices(inputs: tuple) -> list[torch.device]:
-    return sorted({t.device for t in inputs if isinstance(t, torch.Tensor) and t.is_cuda}, key=str)
 
 
 def _plan_budget(
@@ -347,27 +374,21 @@ def _plan_budget(
     inputs = (
         (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     )
-    plain, flops = _saved_bytes(model, blocks, inputs)
-    for _, mod in blocks:
-        _wrap(mod)
-    try:
-        ckpt, _ = _saved_bytes(model, blocks, inputs)
-    finally:
-        for _, mod in blocks:
-            _unwrap(mod)
-    budget = pol.budget_bytes or math.floor(pol.budget_fraction * sum(plain.values()))
-    if sum(ckpt.values()) > budget:
+    other, plain, ckpt, flops = _profile_blocks(model, blocks, inputs)
+    unwrapped = other + sum(plain)
+    budget = pol.budget_bytes or math.floor(pol.budget_fraction * unwrapped)
+    if other + sum(ckpt) > budget:
         raise ValueError(
-            f"activation budget {budget:,} B is below {sum(ckpt.values()):,} B, what checkpointing "
-            f"every block still saves (unwrapped: {sum(plain.values()):,} B); raise the budget, "
-            "shrink batch or sequence length, or checkpoint more module types"
+            f"activation budget {budget:,} B is below {other + sum(ckpt):,} B, what checkpointing "
+            f"every block still saves (unwrapped: {unwrapped:,} B); raise the budget, shrink "
+            "batch or sequence length, or checkpoint more module types"
         )
-    gain = [plain.get(n, 0) - ckpt.get(n, 0) for n, _ in blocks]
+    gain = [p - c for p, c in zip(plain, ckpt, strict=True)]
     # Cheapest recompute per byte freed first; ties keep model order (early blocks live longest).
-    order = sorted(range(len(blocks)), key=lambda i: flops.get(blocks[i][0], 0) / max(gain[i], 1))
+    order = sorted(range(len(blocks)), key=lambda i: flops[i] / max(gain[i], 1))
     chosen: list[int] = []
     for i in order:
-        if sum(plain.values()) - sum(gain[j] for j in chosen) <= budget:
+        if unwrapped - sum(gain[j] for j in chosen) <= budget:
             break
         chosen.append(i)
     # Verify with a real measurement (cross-block sharing can shift bytes); add blocks if needed.

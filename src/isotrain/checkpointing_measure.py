@@ -212,7 +212,10 @@ def _devices(inputs: Sequence[Any]) -> list[torch.device]:
 
 
 def profile_forward(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: Sequence[Any]
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    inputs: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, dict[str, int], dict[str, int], FlopCounterMode]:
     """One forward under the byte recorder and a FLOP counter; per-block bytes and FLOPs."""
     params = [*model.parameters(), *model.buffers()]
@@ -242,7 +245,7 @@ def profile_forward(
     prev, _State.recorder = _State.recorder, rec
     try:
         with torch.autograd.graph.saved_tensors_hooks(_pack(rec), lambda t: t), counter:
-            out = model(*inputs)
+            out = model(*inputs, **(kwargs or {}))
     finally:
         _State.recorder = prev
         for h in handles:
