@@ -114,19 +114,9 @@ def compile_available(
 # compiled path. If it succeeds, compiling is what broke: warn once and switch every module of
 # the same compile_model call back to eager for good. Recompile errors of no_recompiles() are
 # not compile failures and always propagate.
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    from torch._dynamo import exc
-
-    return (exc.TorchDynamoException,)
-
-
 def _is_recompile_error(err: BaseException) -> bool:
-    from torch._dynamo import exc
-
-    guarded = tuple(
-        getattr(exc, n) for n in ("RecompileError", "FailOnRecompileLimitHit") if hasattr(exc, n)
-    )
-    return isinstance(err, guarded)
+    names = ("RecompileError", "FailOnRecompileLimitHit")
+    return isinstance(err, tuple(getattr(torch._dynamo.exc, n, ()) for n in names))
 
 
 class _FallbackGroup:
@@ -159,7 +149,7 @@ class _GuardedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.compiled(*args, **kwargs)
-        except _compile_errors() as err:
+        except torch._dynamo.exc.TorchDynamoException as err:
             if _is_recompile_error(err):
                 raise
             try:
@@ -207,6 +197,13 @@ def _model_device(model: nn.Module) -> torch.device:
     return param.device if param is not None else torch.device("cpu")
 
 
+# NOTE [buckets and dynamic]
+# With dynamic=None torch compiles the first shape static, then on the second distinct length
+# marks that dim dynamic and compiles one symbolic graph (automatic_dynamic_shapes). With a few
+# length buckets we prefer dynamic=False: one static graph per bucket (best kernels, CUDA graphs
+# possible), all compiled by warmup() up front; blocks share the graphs (same code, same
+# shapes). Keep the batch size fixed (drop_last) or each short batch is one more shape, and
+# eval under no_grad is one more graph per bucket (warmup(..., also_eval=True)).
 def compile_model(
     model: nn.Module,
     *,
