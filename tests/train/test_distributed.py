@@ -34,6 +34,7 @@ from isotrain.train.dist_snapshot import (
 from isotrain.train.model import GPT, GPTConfig
 from isotrain.train.parallel import (
     DistInfo,
+    any_rank,
     full_value,
     init_distributed,
     no_grad_sync,
@@ -192,8 +193,8 @@ def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, t
 
 def test_resume_layout_refusals_name_both_world_sizes() -> None:
     p = Path("run/snapshots/step_0000004")
-    with pytest.raises(C.ConfigError, match=r"written by 4 FSDP ranks but this run has 2\..*"
-                       r"Relaunch with torchrun --nproc-per-node 4"):  # fmt: skip
+    old_new = r"written by 4 FSDP ranks but this run has 2\..*Relaunch with 4 processes in total"
+    with pytest.raises(C.ConfigError, match=old_new + r" \(torchrun --nproc-per-node 4 on one"):
         check_layout({"sharded": True, "world_size": 4}, p, mode="fsdp", world_size=2)
     with pytest.raises(C.ConfigError, match=r"FSDP shards from 2 ranks but --parallel.mode is ddp"):
         check_layout({"sharded": True, "world_size": 2}, p, mode="ddp", world_size=2)
@@ -331,6 +332,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res.update(_check_guard(info))
         res.update(_check_rng_per_rank(info, Path(out)))
         res.update(_check_fsdp_resume(info, Path(out)))
+        res["any_rank"] = [any_rank(info.rank == 1, info.device), any_rank(False, info.device)]
         res["world"] = dist.get_world_size()
     res["destroyed"] = not dist.is_initialized()
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
@@ -350,9 +352,15 @@ def world(tmp_path_factory) -> tuple[list[dict], Path]:
 
 
 @pytest.mark.slow
-def test_ddp_and_fsdp_gradients_equal_one_process_on_the_global_batch(world) -> None:
+def test_the_world_agrees_on_flags_and_its_group_is_destroyed(world) -> None:
     for res in world[0]:
         assert res["world"] == WORLD and res["destroyed"]
+        assert res["any_rank"] == [True, False]  # a flag on rank 1 only reaches rank 0 too
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_gradients_equal_one_process_on_the_global_batch(world) -> None:
+    for res in world[0]:
         assert res["ddp_grad_rel_diff"] < GRAD_TOL, res["ddp_grad_rel_diff"]
         assert res["fsdp_grad_rel_diff"] < GRAD_TOL, res["fsdp_grad_rel_diff"]
         assert res["ddp_no_sync_kept_local"]

@@ -77,7 +77,10 @@ def rank_rng_state(payload: dict[str, Any], rank: int) -> dict[str, Any]:
 def check_layout(payload: dict[str, Any], path: Path, *, mode: str, world_size: int) -> None:
     """Refuse a resume that cannot continue the snapshot: sharded vs not, world size of FSDP."""
     saved_world = int(payload.get("world_size", 1))
-    relaunch = f"torchrun --nproc-per-node {saved_world} (in total over all nodes)"
+    relaunch = (
+        f"{saved_world} processes in total (torchrun --nproc-per-node {saved_world} on one "
+        f"node, or nnodes x nproc-per-node = {saved_world})"
+    )
     if payload.get("sharded"):
         if mode != "fsdp":
             raise ConfigError(

@@ -21,6 +21,7 @@ from isotrain.train.config import ConfigError
 __all__ = [
     "DistInfo",
     "all_reduce_mean",
+    "any_rank",
     "full_value",
     "init_distributed",
     "no_grad_sync",
@@ -76,7 +77,7 @@ def _env_ints() -> tuple[int, int, int]:
 def init_distributed(mode: str, device_name: str) -> DistInfo:
     """Join the torchrun process group when launched by torchrun; else a world of one.
 
-    Ranks other than 0 log warnings and errors only, so INFO lines appear once.
+    Ranks other than 0 log errors only, so INFO and WARNING lines appear once (from rank 0).
     """
     present = [v for v in _TORCHRUN_VARS if v in os.environ]
     if not present:
@@ -107,7 +108,7 @@ def init_distributed(mode: str, device_name: str) -> DistInfo:
         else:
             dist.init_process_group(backend="gloo")
     if rank != 0:
-        logging.getLogger("isotrain").setLevel(logging.WARNING)
+        logging.getLogger("isotrain").setLevel(logging.ERROR)
     return DistInfo(rank, world, local, device)
 
 
@@ -201,3 +202,15 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor: the full value of an FSDP2 DTensor (e.g. a clip_grad_norm_ result)."""
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on any rank (e.g. a stop signal seen by one).
+
+    A collective and a host sync: call it on every rank at the same steps (log steps).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())  # sync: the agreed decision
