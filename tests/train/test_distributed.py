@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 import socket
@@ -153,6 +154,31 @@ def test_scope_destroys_only_the_group_it_saw_created(clean_env) -> None:
     assert not dist.is_initialized()
 
 
+def test_batches_are_disjoint_across_ranks_and_a_pure_function_of_their_index() -> None:
+    import numpy as np
+
+    tokens = np.arange(10_000, dtype=np.int64)  # token value == its position
+    shard = len(tokens) // WORLD
+
+    def draw(step, micro, rank):
+        x, y = data_mod.get_batch(
+            tokens, batch_size=4, block_size=32, seed=3, step=step, micro=micro, rank=rank,
+            world_size=WORLD,
+        )  # fmt: skip
+        return torch.cat([x, y[:, -1:]], 1)  # every position the batch reads
+
+    seen = {0: set(), 1: set()}
+    for step in range(5):
+        for micro in range(2):
+            for rank in range(WORLD):
+                b = draw(step, micro, rank)
+                assert torch.equal(b, draw(step, micro, rank))  # pure: same index, same batch
+                assert rank * shard <= int(b.min()) and int(b.max()) < (rank + 1) * shard
+                seen[rank].update(b.flatten().tolist())
+    assert not seen[0] & seen[1]
+    assert not torch.equal(draw(0, 0, 0), draw(0, 1, 0))  # micro-steps draw other windows
+
+
 # -------------------------------------------- in-process: FSDP2 and DCP in a gloo world of one
 def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, tmp_path) -> None:
     """Checkpointed + compiled blocks shard; a DCP snapshot restores model and optimizer."""
@@ -260,17 +286,20 @@ def _check_guard(info: DistInfo) -> dict:
         opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=mode == "host")
         guard = StepGuard(opt, lin, max_norm=1.0, spike_k=None, skip_mode=mode)
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(info.rank))
-        applied, unchanged, same = [], [], []
+        applied, unchanged, same, losses = [], [], [], []
         for step in range(2):
             loss = ddp(x).square().mean()
             loss.backward()
             nan = float("nan") if (info.rank == 1 and step == 0) else 0.0
             before = [p.detach().clone() for p in lin.parameters()]
+            local = float(loss)
             outcome = guard.step(loss.detach() + nan)
             applied.append(bool(outcome.applied))
+            losses.append([local, float(outcome.loss)])
             unchanged.append(all(torch.equal(a, b) for a, b in zip(before, lin.parameters())))
             same.append(_same_on_all_ranks(lin.parameters()))
         out[f"guard_{mode}"] = {"applied": applied, "unchanged": unchanged, "same": same}
+        out[f"guard_{mode}_losses"] = losses  # [this rank's loss, the loss the guard logs]
     return out
 
 
@@ -375,6 +404,11 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(world) -> None:
                 "unchanged": [True, False],
                 "same": [True, True],
             }, (mode, res[f"guard_{mode}"])
+    # the logged loss is the mean over ranks: NaN at the first step, then the same everywhere
+    for mode in ("host", "select"):
+        (a0, g0), (a1, g1) = (r[f"guard_{mode}_losses"][1] for r in world[0])
+        assert g0 == g1 and g0 == pytest.approx((a0 + a1) / 2, rel=1e-6) and a0 != a1
+        assert all(math.isnan(r[f"guard_{mode}_losses"][0][1]) for r in world[0])
 
 
 @pytest.mark.slow
