@@ -95,6 +95,7 @@ def assert_same(a: tuple, b: tuple) -> None:
         ("budget:200MB", ACPolicy("budget", budget_bytes=200_000_000)),
         ("budget:1.5GiB", ACPolicy("budget", budget_bytes=3 * 2**29)),
         ("budget:50%", ACPolicy("budget", budget_fraction=0.5)),
+        ("budget:12.5%", ACPolicy("budget", budget_fraction=0.125)),
     ],
 )
 def test_parse_policy(spec: str, expected: ACPolicy) -> None:
@@ -141,14 +142,23 @@ def test_policy_matches_unwrapped_bitwise_with_dropout(policy: str) -> None:
     assert_same(run(model, idx), ref)
 
 
-@pytest.mark.parametrize("policy", ["full", "selective"])
-def test_policy_under_compile_aot_eager(policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "where"), [("full", "model"), ("selective", "model"), ("selective", "per_block")]
+)
+def test_policy_under_compile_aot_eager(policy: str, where: str) -> None:
     model, idx = make()
     ref = run(copy.deepcopy(model), idx)
+    keys = list(model.state_dict())
     apply_activation_checkpointing(model, policy=policy, modules=(Block,))
     torch._dynamo.reset()
     try:
-        got = run(torch.compile(model, backend="aot_eager"), idx)
+        if where == "model":
+            got = run(torch.compile(model, backend="aot_eager"), idx)
+        else:  # the trainer's order: checkpoint, then compile each block in place
+            for block in model.blocks:
+                block.compile(backend="aot_eager", fullgraph=True)
+            got = run(model, idx)
+            assert list(model.state_dict()) == keys
     finally:
         torch._dynamo.reset()
     # aot_eager replays the same aten kernels, so fp32 on CPU is still bit-exact.

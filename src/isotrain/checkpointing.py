@@ -82,11 +82,9 @@ class ACPolicy:
         if self.kind == "every":
             return f"every:{self.every}"
         if self.kind == "budget":
-            return (
-                f"budget:{self.budget_fraction:.0%}"
-                if self.budget_fraction
-                else (f"budget:{self.budget_bytes}")
-            )
+            if self.budget_fraction:
+                return f"budget:{self.budget_fraction * 100:g}%"
+            return f"budget:{self.budget_bytes}"
         return self.kind
 
 
@@ -190,6 +188,9 @@ def selective_policy(
     return context_fn
 
 
+_SELECTIVE = selective_policy()
+
+
 # ---------------------------------------------------------------------------- the seed's block
 class CheckpointedTransformerBlock(nn.Module):
     """The seed's post-norm transformer block (batch-first), checkpointed by default.
@@ -228,8 +229,9 @@ class CheckpointedTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_mode == "none" or _State.bypass or not torch.is_grad_enabled():
             return self._forward(x)
-        ctx = selective_policy() if self.checkpoint_mode == "selective" else noop_context_fn
-        return checkpoint(self._forward, x, use_reentrant=False, context_fn=ctx)
+        if self.checkpoint_mode == "selective":
+            return checkpoint(self._forward, x, use_reentrant=False, context_fn=_SELECTIVE)
+        return checkpoint(self._forward, x, use_reentrant=False)
 
 
 # ---------------------------------------------------------------------------- wrapping
@@ -250,9 +252,6 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if context_fn is noop_context_fn:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
     return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-
-_checkpointed_forward._isotrain_ac = True  # type: ignore[attr-defined]
 
 
 def _wrap(module: nn.Module, context_fn: ContextFn = noop_context_fn) -> None:
@@ -291,8 +290,9 @@ def apply_activation_checkpointing(
     """Checkpoint the chosen blocks of `model` in place by `policy`; state-dict keys unchanged.
 
     `modules`: a type, tuple of types, or `(name, module) -> bool` predicate (outermost matches
-    only); None means the children of each outermost `nn.ModuleList`. Replaces earlier wrapping.
-    `budget` needs `example_inputs` and raises ValueError when even `full` exceeds the budget.
+    only); None means the children of each outermost `nn.ModuleList`. Replaces earlier wrapping
+    (on error the model is left unwrapped). `budget` needs `example_inputs` and raises
+    ValueError when even `full` exceeds the budget.
 
     Example:
         >>> apply_activation_checkpointing(model, policy="every:2", modules=(Block,))
@@ -314,7 +314,7 @@ def apply_activation_checkpointing(
         chosen = [m for i, (_, m) in enumerate(blocks) if i % pol.every == 0]
     else:
         chosen = [m for _, m in blocks]
-    context_fn = selective_policy() if pol.kind == "selective" else noop_context_fn
+    context_fn = _SELECTIVE if pol.kind == "selective" else noop_context_fn
     for mod in chosen:
         _wrap(mod, context_fn)
     return model

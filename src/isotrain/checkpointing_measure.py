@@ -306,10 +306,9 @@ def measure_activation_memory(
 
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether `module` runs under activation checkpointing (isotrain wrapping or the block)."""
-    fwd = module.__dict__.get("forward")
-    if fwd is not None and getattr(fwd, "_isotrain_ac", None) is not None:
+    if "_isotrain_ac" in module.__dict__:
         return True
-    return bool(getattr(module, "checkpoint_mode", "none") != "none")
+    return getattr(module, "checkpoint_mode", "none") != "none"
 
 
 def _cuda_reset(devices: list[torch.device]) -> dict[torch.device, int]:
