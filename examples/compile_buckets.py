@@ -1,9 +1,8 @@
 """Variable-length batches under torch.compile without a recompile storm.
 
-Documents of every length from 8 to 128 tokens would give torch.compile a new shape, hence a
-new graph, almost every batch. We pad each batch to one of a few bucket lengths (the padding
-is ignored by the loss), compile each block in place, warm up one graph per bucket (train and
-eval) before training, and then forbid compiling: any recompile would raise.
+Documents of every length would give torch.compile a new shape (a new graph) almost every
+batch. We pad each batch to one of a few bucket lengths (the loss ignores the padding), compile
+each block in place, warm up one graph per bucket, then forbid compiling: a recompile raises.
 
     python examples/compile_buckets.py --backend inductor   # real kernels (needs a C++ compiler)
     python examples/compile_buckets.py --smoke              # backend "eager": seconds
@@ -71,7 +70,7 @@ class TinyLM(nn.Module):
 
 
 def make_docs(n: int, max_len: int, gen: torch.Generator) -> list[torch.Tensor]:
-    """Repeats of a short random pattern, of random length: next tokens are learnable."""
+    """Repeats of a short random pattern, of random length."""
     docs = []
     for _ in range(n):
         length = int(torch.randint(8, max_len + 2, (), generator=gen))

@@ -57,10 +57,6 @@ class CausalConvNet(nn.Module):
         return self.head(self.norm(h.transpose(1, 2)))  # (B, T, 256)
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
-
-
 def get_batch(data: torch.Tensor, gen: torch.Generator, batch: int, seq: int):
     starts = torch.randint(len(data) - seq - 1, (batch, 1), generator=gen)
     chunk = data[starts + torch.arange(seq + 1)]  # (B, T + 1)
@@ -95,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     data = load_bytes()
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
-    val_batches = [get_batch(val, seeded(i), batch, seq) for i in range(n_val)]
+    gens = [torch.Generator().manual_seed(i) for i in range(n_val)]
+    val_batches = [get_batch(val, g, batch, seq) for g in gens]  # the same batches every time
     model = CausalConvNet(width, layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     amp = resolve_autocast(enabled=args.amp)  # decide once: does float16 need a GradScaler?
