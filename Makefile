@@ -21,15 +21,15 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples tools
+	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/run_all.py
 
 docs: $(STAMP)
-	$(PY) -m pdoc isotrain -o docs
+	$(PY) tools/build_docs.py -o docs
 
 clean:
 	rm -rf $(VENV) build dist docs *.egg-info

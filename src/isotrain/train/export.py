@@ -46,11 +46,9 @@ def load_safetensors(path: str | Path) -> GPT:
 
 def export_run(run_dir: str, out: str | Path, *, which: str = "latest") -> tuple[Path, Path]:
     """Export the weights of a run's snapshot; returns the file and the snapshot it came from."""
-    from isotrain.train.loop import build_model
+    from isotrain.train.loop import load_model
     from isotrain.train.snapshot import load_snapshot
 
     payload, snap = load_snapshot(run_dir, which=which)
     cfg = ModelConfig(**payload["config"]["model"])
-    model = build_model(TrainConfig(model=cfg))
-    model.load_state_dict(payload["model"])
-    return export_safetensors(model, cfg, out), snap
+    return export_safetensors(load_model(run_dir, which=which), cfg, out), snap

@@ -25,13 +25,16 @@ from isotrain.compile import compile_counters, compile_model, no_recompiles, war
 from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate
+from isotrain.train.dist_snapshot import load_full_model
 from isotrain.train.model import GPT, Block, GPTConfig
 from isotrain.train.optim import build_optimizer, lr_at, set_lr
 from isotrain.train.parallel import (
     DistInfo,
     all_reduce_mean,
+    any_rank,
     init_distributed,
     no_grad_sync,
+    process_group_scope,
     wrap_model,
 )
 from isotrain.train.report import MetricsWriter, Reporter
@@ -238,8 +241,10 @@ def load_model(source: str, *, which: str = "latest") -> GPT:
         from isotrain.train.export import load_safetensors
 
         return load_safetensors(source)
-    payload, _ = load_snapshot(source, which=which)
+    payload, path = load_snapshot(source, which=which)
     model = build_model(TrainConfig(model=ModelConfig(**payload["config"]["model"])))
+    if payload.get("sharded"):  # an FSDP run: gather every rank's shards into one model
+        return load_full_model(path, model)
     model.load_state_dict(payload["model"])
     return model
 
@@ -302,7 +307,7 @@ def _start(cfg: TrainConfig) -> Run:
 
 def train(cfg: TrainConfig) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log."""
-    with rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
+    with process_group_scope(), rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
         run = _start(cfg)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         metrics = MetricsWriter(Path(cfg.out_dir), enabled=main)
@@ -313,8 +318,8 @@ def train(cfg: TrainConfig) -> TrainState:
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
             with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
-                train_time = _loop(run, reporter, metrics, baseline, stop)
-            if stop:
+                train_time, stopped = _loop(run, reporter, metrics, baseline, stop)
+            if stopped:
                 reporter.line(f"signal {stop.signal}: snapshot at step {st.step}, then exit")
                 save_run(run)
                 return st
@@ -325,11 +330,11 @@ def train(cfg: TrainConfig) -> TrainState:
 
 def _loop(
     run: Run, reporter: Reporter, metrics: MetricsWriter, baseline: float, stop: Any
-) -> float:
-    """Steps until the end (or a signal); returns the seconds spent in training steps."""
+) -> tuple[float, bool]:
+    """Steps until the end or a stop signal; returns training seconds and whether it stopped."""
     cfg, st = run.cfg, run.state
-    first, timer = st.step, _Timer(st.tokens_seen)
-    while st.step < cfg.steps and not stop:
+    first, timer, stopping = st.step, _Timer(st.tokens_seen), False
+    while st.step < cfg.steps and not stopping:
         if st.step != first:
             with timer.paused():
                 if st.step % cfg.eval_every == 0:
@@ -337,9 +342,15 @@ def _loop(
                 if cfg.snapshot.every and st.step % cfg.snapshot.every == 0:
                     save_run(run)
         outcome = train_step(run)
-        if st.step % cfg.log_every == 0 or st.step == cfg.steps:
+        log_step = st.step % cfg.log_every == 0 or st.step == cfg.steps
+        if log_step:
             _log(run, reporter, metrics, outcome, *timer.lap(st.tokens_seen))
-    return timer.total
+        # Ranks must stop at the same step, or their snapshot collectives never meet.
+        if not run.dist.distributed:
+            stopping = bool(stop)
+        elif log_step:
+            stopping = any_rank(bool(stop), run.dist.device)  # sync: log steps only
+    return timer.total, stopping
 
 
 def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:

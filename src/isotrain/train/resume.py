@@ -128,6 +128,9 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
     if not find_snapshots(out):
         if required:
             raise ConfigError(f"--resume {out}: no snapshot there to resume from")
+        if run.dist.is_main and (out / METRICS_FILE).is_file():
+            log.warning("%s holds metrics but no snapshot: starting over", out)
+            _truncate_metrics(out, -1)
         return False
     payload, path = load_snapshot(out)
     changes = check_compatible(payload["config"], run.cfg)

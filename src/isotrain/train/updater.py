@@ -15,7 +15,7 @@ from torch import nn
 from isotrain.guard import StepGuard, StepOutcome
 from isotrain.guard_recovery import FaultInjector, Rollback
 from isotrain.train.config import TrainConfig
-from isotrain.train.parallel import DistInfo
+from isotrain.train.parallel import DistInfo, all_reduce_mean
 
 __all__ = ["PlainUpdater", "Updater", "build_updater"]
 
@@ -67,7 +67,8 @@ class PlainUpdater:
         return {"loss": loss, "grad_norm": norm}
 
     def read(self, outcome: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return {k: float(v) for k, v in outcome.items()}  # sync: log step only
+        # mean over ranks (all ranks log at the same steps); an FSDP DTensor gives its full value
+        return {k: float(all_reduce_mean(v)) for k, v in outcome.items()}  # sync: log step only
 
     def lr_factor(self, step: int) -> float:
         return 1.0
