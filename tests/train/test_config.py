@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from isotrain.train import config as C
+from isotrain.train import model as model_module
 from isotrain.train.cli import parse_train_args
 
 
@@ -21,9 +22,9 @@ def _sections() -> list[type]:
 
 
 def test_every_field_has_help_text() -> None:
-    tree = ast.parse(inspect.getsource(C))
     documented: dict[str, set[str]] = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+    trees = [ast.parse(inspect.getsource(m)) for m in (C, model_module)]
+    for cls in (n for t in trees for n in t.body if isinstance(n, ast.ClassDef)):
         body, names = cls.body, set()
         for a, b in itertools.pairwise(body):
             if (

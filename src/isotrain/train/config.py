@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from isotrain.checkpointing import parse_policy
+from isotrain.train.model import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -44,24 +45,8 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the flag, the value and the fix."""
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    """Shape of the GPT. Changing any of these makes a snapshot incompatible."""
-
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide d_model."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    block_size: int = 256
-    """Context length in tokens (bytes for the default tokenizer)."""
-    vocab_size: int = 256
-    """Vocabulary size: 256 for the byte tokenizer; raise it for pre-tokenized uint16 data."""
-    dropout: float = 0.0
-    """Dropout probability in attention and MLP outputs."""
-    bias: bool = True
-    """Use biases in Linear and LayerNorm layers."""
+# The model section of the config is the model's own config: one definition, one set of help.
+ModelConfig = GPTConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate
 from isotrain.train.dist_snapshot import load_full_model
-from isotrain.train.model import GPT, Block, GPTConfig
+from isotrain.train.model import GPT, Block
 from isotrain.train.optim import build_optimizer, lr_at, set_lr
 from isotrain.train.parallel import (
     DistInfo,
@@ -85,18 +85,7 @@ class Run:
 
 def build_model(cfg: TrainConfig) -> GPT:
     """The GPT of `cfg.model` (on the CPU, in fp32)."""
-    m = cfg.model
-    return GPT(
-        GPTConfig(
-            vocab_size=m.vocab_size,
-            block_size=m.block_size,
-            n_layer=m.n_layer,
-            n_head=m.n_head,
-            d_model=m.d_model,
-            dropout=m.dropout,
-            bias=m.bias,
-        )
-    )
+    return GPT(cfg.model)
 
 
 def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:

@@ -20,15 +20,23 @@ IGNORE_INDEX = -100
 
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
-    """Architecture of the GPT; the trainer builds it from `ModelConfig`."""
+    """Shape of the GPT (the trainer's `--model.*` flags). Changing any field but dropout
+    makes a snapshot incompatible."""
 
-    vocab_size: int = 256
-    block_size: int = 256
     n_layer: int = 4
+    """Number of transformer blocks."""
     n_head: int = 4
+    """Attention heads per block; must divide d_model."""
     d_model: int = 128
+    """Width of the residual stream."""
+    block_size: int = 256
+    """Context length in tokens (bytes for the default tokenizer)."""
+    vocab_size: int = 256
+    """Vocabulary size: 256 for the byte tokenizer; raise it for pre-tokenized uint16 data."""
     dropout: float = 0.0
+    """Dropout probability in attention and MLP outputs."""
     bias: bool = True
+    """Use biases in Linear and LayerNorm layers."""
 
 
 class CausalSelfAttention(nn.Module):
