@@ -20,7 +20,6 @@ EXAMPLE_MARKERS = ("Example", ">>>", "::")
 # Listed so the suite stays green while they are fixed; the xfail test below names whichever
 # of them still fail. Delete entries as they are fixed (a new public name must never go here).
 PENDING: frozenset[str] = frozenset({
-    "isotrain.audit.StateLeakError",
     "isotrain.autograd.quantize",
     "isotrain.buckets.default_buckets",
     "isotrain.checkpointing_measure.BlockStats",
@@ -28,14 +27,6 @@ PENDING: frozenset[str] = frozenset({
     "isotrain.checkpointing_measure.resolve_modules",
     "isotrain.compile.CompileAvailability",
     "isotrain.compile.CompileStats",
-    "isotrain.contexts.AutocastInfo",
-    "isotrain.contexts.resolve_autocast",
-    "isotrain.guard.SkipReason",
-    "isotrain.guard.StepOutcome",
-    "isotrain.guard_recovery.Provenance",
-    "isotrain.guard_recovery.RollbackAction",
-    "isotrain.guard_recovery.forbid_host_sync",
-    "isotrain.guard_recovery.load_failure_case",
 })  # fmt: skip
 
 

@@ -23,7 +23,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class StateLeakError(AssertionError):
-    """A block left global or module state different from how it found it."""
+    """A block left global or module state different from how it found it.
+
+    Example: ``except StateLeakError as e: print(e.differences)  # ["grad mode: True -> False"]``
+    """
 
     def __init__(self, differences: list[str]) -> None:
         self.differences = list(differences)

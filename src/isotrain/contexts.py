@@ -140,7 +140,10 @@ def frozen(*modules: nn.Module) -> Iterator[Any]:
 
 @dataclass(frozen=True)
 class AutocastInfo:
-    """What :func:`autocast_if_available` enabled, and why."""
+    """What :func:`autocast_if_available` enabled, and why.
+
+    Example: ``with autocast_if_available() as amp: print(amp.enabled, amp.dtype, amp.reason)``
+    """
 
     enabled: bool
     device_type: str
@@ -183,7 +186,7 @@ def resolve_autocast(
 ) -> AutocastInfo:
     """Decide what :func:`autocast_if_available` would enable, without entering it.
 
-    Use it before the loop to decide on a GradScaler: ``resolve_autocast().needs_grad_scaler``.
+    Example: ``scaler = GradScaler("cuda") if resolve_autocast().needs_grad_scaler else None``.
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")

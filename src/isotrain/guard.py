@@ -37,7 +37,10 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 class SkipReason(enum.IntEnum):
-    """Why a guarded step was skipped (``OK``: it was applied)."""
+    """Why a guarded step was skipped (``OK``: it was applied).
+
+    Example: ``SkipReason(int(outcome.reason)).name  # "NONFINITE_LOSS"``
+    """
 
     OK = 0
     NONFINITE_LOSS = 1
@@ -89,7 +92,10 @@ def safe_backward(
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """One guarded step as device tensors; read them only at log steps (reading syncs)."""
+    """One guarded step as device tensors; read them only at log steps (reading syncs).
+
+    Example: ``outcome = guard.step(loss.detach()); if log_step: print(outcome.to_dict())``
+    """
 
     applied: torch.Tensor  # () bool
     reason: torch.Tensor  # () int64, a SkipReason value

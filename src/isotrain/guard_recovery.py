@@ -60,6 +60,8 @@ def forbid_host_sync() -> Iterator[None]:
 
     Patches ``Tensor.item/tolist/numpy/cpu/__bool__/__float__/__int__/__index__``. On CUDA also
     use ``torch.cuda.set_sync_debug_mode("error")``, which sees syncs made inside C++.
+
+    Example: ``with forbid_host_sync(): guard.step(loss)  # raises if the guard reads a tensor``
     """
     names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
     saved = {n: torch.Tensor.__dict__.get(n) for n in names}
@@ -162,7 +164,10 @@ def nonfinite_grads(model: nn.Module | Iterable[torch.Tensor]) -> list[str]:
 
 @dataclass
 class Provenance:
-    """Where non-finite values first appeared in a replayed forward pass."""
+    """Where non-finite values first appeared in a replayed forward pass.
+
+    Example: ``find_nonfinite_source(model, (x, y)).module  # e.g. "blocks.3.attn"``
+    """
 
     module: str | None  # qualified name of the first module (in completion order) with a
     #                     non-finite output; "" is the root; None: the forward pass was finite
@@ -294,14 +299,20 @@ def save_failure_case(
 
 
 def load_failure_case(path: str | Path) -> dict[str, Any]:
-    """Load a case written by :func:`save_failure_case` (``weights_only=True``)."""
+    """Load a case written by :func:`save_failure_case` (``weights_only=True``).
+
+    Example: ``case = load_failure_case(path); find_nonfinite_source(model, case["inputs"])``
+    """
     return torch.load(path, weights_only=True)
 
 
 # -- recovery ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RollbackAction:
-    """What :meth:`Rollback.check` did, and what the caller should do next."""
+    """What :meth:`Rollback.check` did, and what the caller should do next.
+
+    Example: ``if (action := rollback.check(step, guard)): offset += action.skip_batches``
+    """
 
     step: int  # the (attempted) step at which the rollback happened
     restored_step: int  # the step at which the restored last-good copy was taken
