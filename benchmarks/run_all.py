@@ -49,7 +49,7 @@ class Bench:
     cuda_only: bool = False
 
 
-BENCHES = (
+KNOWN = (
     Bench("autograd", "bench_autograd.py"),
     Bench("checkpointing", "bench_checkpointing.py", ("--out", "{out}")),
     Bench("compile", "bench_compile.py"),
@@ -60,6 +60,20 @@ BENCHES = (
     Bench("mfu", "bench_mfu.py", ("--out", "{out}")),
     Bench("gpu", "gpu_suite.py", ("--out", "{out}"), ("--dry-run",), cuda_only=True),
 )
+
+
+def discover(root: Path = HERE) -> tuple[Bench, ...]:
+    """The known benchmarks, then any other bench_*.py in `root` (plain flags, --quick)."""
+    known = {b.script for b in KNOWN}
+    extra = [
+        Bench(p.stem.removeprefix("bench_"), p.name)
+        for p in sorted(root.glob("bench_*.py"))
+        if p.name not in known
+    ]
+    return KNOWN + tuple(extra)
+
+
+BENCHES = discover()
 
 
 @dataclass
@@ -177,7 +191,7 @@ def _meta(json_path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         return {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {k: data[k] for k in ("command",) if isinstance(data.get(k), str)}
     for key in ("env", "meta"):
         if isinstance(data.get(key), dict):
             meta.update(data[key])

@@ -106,3 +106,14 @@ def test_selection_rejects_unknown_names(run_all) -> None:
     assert [b.name for b in run_all.selected(args)] == ["trainer"]
     with pytest.raises(SystemExit, match=r"unknown benchmark\(s\) \['nope'\]"):
         run_all.selected(run_all.parse(["--only", "nope"]))
+
+
+def test_discover_adds_unknown_bench_scripts(run_all, tmp_path: Path) -> None:
+    (tmp_path / "bench_newthing.py").write_text("")
+    (tmp_path / "bench_trainer.py").write_text("")  # known: keeps its own flags
+    (tmp_path / "helper.py").write_text("")  # not a benchmark
+    benches = run_all.discover(tmp_path)
+    assert benches[: len(run_all.KNOWN)] == run_all.KNOWN
+    assert [(b.name, b.script) for b in benches[len(run_all.KNOWN) :]] == [
+        ("newthing", "bench_newthing.py")
+    ]
