@@ -308,7 +308,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
     p.add_argument("--variants", default=VARIANTS)
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--update-reps", type=int, default=300, help="reps of the update-only part")
