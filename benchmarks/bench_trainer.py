@@ -672,7 +672,7 @@ def main(argv: list[str] | None = None) -> None:
         box_plot(
             args.out / f"{stem}.png",
             ratios,
-            title=f"tokens/s relative to the plain loop, per round ({res['shape']})",
+            title=f"tokens/s relative to the plain loop, per round\n{res['shape']}",
             ylabel="throughput ratio to plain",
         )
 
