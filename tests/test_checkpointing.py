@@ -262,6 +262,8 @@ def test_measure_leaves_state_alone() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert report.peak_bytes is None  # CPU: no allocator peak
+    lean = measure_activation_memory(model, idx, recompute=False)  # no unwrapped pass
+    assert lean.recompute_flops is None and lean.total_bytes == report.total_bytes
     text = str(report)
     assert "| blocks.3 | yes |" in text and "recompute" in text
 

@@ -113,7 +113,8 @@ class MemoryReport:
     """Saved-for-backward bytes per block and in total, FLOPs, and the CUDA peak when on CUDA.
 
     `other_bytes` is what code outside the blocks saves (embedding, head, loss).
-    `recompute_flops` = FLOPs of forward+backward with checkpointing minus without.
+    `recompute_flops` = FLOPs of forward+backward with checkpointing minus without (None when
+    not measured).
     `peak_bytes` is CUDA max_memory_allocated during forward+backward above the level before it
     (None off CUDA).
     """
@@ -122,7 +123,7 @@ class MemoryReport:
     other_bytes: int
     forward_flops: int
     backward_flops: int
-    recompute_flops: int
+    recompute_flops: int | None
     peak_bytes: int | None = None
 
     @property
@@ -143,11 +144,11 @@ class MemoryReport:
 
     def __str__(self) -> str:
         peak = "n/a (not CUDA)" if self.peak_bytes is None else f"{self.peak_bytes / 1e6:.1f} MB"
+        rec = "n/a" if self.recompute_flops is None else f"{self.recompute_flops / 1e9:.4f}"
         return (
             f"{self.table()}\n"
             f"forward {self.forward_flops / 1e9:.4f} GFLOP, backward "
-            f"{self.backward_flops / 1e9:.4f} GFLOP (recompute {self.recompute_flops / 1e9:.4f}"
-            f" GFLOP), CUDA peak {peak}"
+            f"{self.backward_flops / 1e9:.4f} GFLOP (recompute {rec} GFLOP), CUDA peak {peak}"
         )
 
 
@@ -266,11 +267,13 @@ def measure_activation_memory(
     *example_inputs: Any,
     modules: ModuleSpec = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    recompute: bool = True,
 ) -> MemoryReport:
     """Measure saved-activation bytes per block and the recompute FLOPs of the current wrapping.
 
-    Runs forward+backward twice (with and without checkpointing) under a forked RNG, restoring
-    parameter gradients, so training state is untouched.
+    Runs forward+backward under a forked RNG, restoring parameter gradients, so training state
+    is untouched; `recompute=True` adds an unwrapped pass for `recompute_flops` (skip it when
+    the unwrapped model would not fit).
 
     Example:
         >>> report = measure_activation_memory(model, x, modules=(Block,))
@@ -288,8 +291,10 @@ def measure_activation_memory(
             loss_fn(out).backward()
         peak = _cuda_peak(devices, base_alloc)
         del out
-        with _bypass_checkpointing(), _flop_counter() as plain:
-            loss_fn(model(*example_inputs)).backward()
+        plain = None
+        if recompute:
+            with _bypass_checkpointing(), _flop_counter() as plain:
+                loss_fn(model(*example_inputs)).backward()
     backward = bwd_counter.get_total_flops()
     stats = tuple(
         BlockStats(n, saved.get(n, 0), fwd_flops.get(n, 0), is_checkpointed(m)) for n, m in blocks
@@ -299,7 +304,7 @@ def measure_activation_memory(
         other_bytes=saved.get("", 0),
         forward_flops=forward,
         backward_flops=backward,
-        recompute_flops=forward + backward - plain.get_total_flops(),
+        recompute_flops=None if plain is None else forward + backward - plain.get_total_flops(),
         peak_bytes=peak,
     )
 
