@@ -20,6 +20,9 @@ __all__ = ["BlockStats", "MemoryReport", "measure_activation_memory", "resolve_m
 ModuleSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None
 
 
+# NOTE [measurement state]: checkpointed forwards read these two switches as plain class
+# attributes, which dynamo reads and guards on simply. They are set only inside measurement
+# calls and restored in `finally`; measuring is therefore not thread-safe: one thread at a time.
 class _State:
     """Process-wide switches read by checkpointed forwards (plain attributes: dynamo-friendly)."""
 
