@@ -312,7 +312,8 @@ def md_section(name: str, res: dict[str, Any], meta: dict[str, Any]) -> str:
     ]
     if name == "checkpointing":
         body = [
-            "| policy | peak MiB (step) | MiB above pre-step | ms/step | time vs none |",
+            "| policy | peak MiB in the step (all three models resident) | MiB above the "
+            "pre-step level (activations + grads) | ms/step | time vs none |",
             "|---|---|---|---|---|",
         ]
         for pol, r in res["policies"].items():
