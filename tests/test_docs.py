@@ -21,12 +21,9 @@ EXAMPLE_MARKERS = ("Example", ">>>", "::")
 # of them still fail. Delete entries as they are fixed (a new public name must never go here).
 PENDING: frozenset[str] = frozenset({
     "isotrain.autograd.quantize",
-    "isotrain.buckets.default_buckets",
     "isotrain.checkpointing_measure.BlockStats",
     "isotrain.checkpointing_measure.MemoryReport",
     "isotrain.checkpointing_measure.resolve_modules",
-    "isotrain.compile.CompileAvailability",
-    "isotrain.compile.CompileStats",
 })  # fmt: skip
 
 

@@ -35,6 +35,8 @@ def default_buckets(block_size: int, *, min_len: int = 16) -> tuple[int, ...]:
     then ``block_size`` itself: ``default_buckets(100) == (16, 32, 64, 100)``.
 
     Few buckets mean few compiles; padding waste stays under 50% of each batch.
+
+    Example: ``default_buckets(256)  # (16, 32, 64, 128, 256)``
     """
     _check_positive_int("block_size", block_size)
     _check_positive_int("min_len", min_len)

@@ -49,7 +49,10 @@ ModuleSelector = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Mo
 
 @dataclass(frozen=True)
 class CompileAvailability:
-    """Whether a backend can compile here (truthy when it can) and why."""
+    """Whether a backend can compile here (truthy when it can) and why.
+
+    Example: ``if not (avail := compile_available("inductor")): print(avail.reason)``
+    """
 
     ok: bool
     reason: str
@@ -261,6 +264,8 @@ class CompileStats:
 
     ``compile_seconds`` is dynamo + backend time (forward and lazily compiled backward);
     exclude steps with ``compiled`` true from tokens/s and report this time on its own.
+
+    Example: ``with track_compiles() as stats: step(); print(stats.recompiles)``
     """
 
     compilations: int = 0  # frames dynamo compiled (one per new graph)
