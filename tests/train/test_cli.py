@@ -58,6 +58,20 @@ def test_plot_and_report(smoke_run, tmp_path, capsys) -> None:
     assert "skipped_steps" in out and "best_val_loss" in out
 
 
+def test_tensorboard_event_files(tmp_path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "tb"
+    args = [*SMOKE, "--steps", "2", "--sample-tokens", "0", "--report.tensorboard"]
+    assert main(["train", *args, "--out-dir", str(run)]) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "eval/val_loss" in tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2]
+
+
 def test_bad_flag_value_prints_one_line_and_exits_2(tmp_path, capsys) -> None:
     code = main(["train", *SMOKE, "--model.n-head", "3", "--out-dir", str(tmp_path)])
     err = capsys.readouterr().err

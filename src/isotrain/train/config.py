@@ -33,6 +33,7 @@ __all__ = [
     "OptimConfig",
     "ParallelConfig",
     "QuantConfig",
+    "ReportConfig",
     "SnapshotConfig",
     "TrainConfig",
     "apply_toml",
@@ -158,6 +159,14 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReportConfig:
+    """What a run leaves behind besides metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to OUT_DIR/tensorboard (needs isotrain[tensorboard])."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a training run needs; stored in every snapshot and metrics file."""
 
@@ -170,6 +179,7 @@ class TrainConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     steps: int = 600
     """Optimizer steps to train for."""
     grad_accum: int = 1

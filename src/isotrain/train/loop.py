@@ -299,10 +299,13 @@ def train(cfg: TrainConfig) -> TrainState:
     with process_group_scope(), rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
         run = _start(cfg)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
-        metrics = MetricsWriter(Path(cfg.out_dir), enabled=main)
-        metrics.write("config", step=st.step, config=dataclasses.asdict(cfg))
+        out, tb = Path(cfg.out_dir), cfg.report.tensorboard
         baseline = data_mod.unigram_entropy(run.corpus)
-        with Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter:
+        with (
+            contextlib.closing(MetricsWriter(out, enabled=main, tensorboard=tb)) as metrics,
+            Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter,
+        ):
+            metrics.write("config", step=st.step, config=dataclasses.asdict(cfg))
             reporter.header(cfg, _facts(run, st.step))
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)

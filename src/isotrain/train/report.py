@@ -33,13 +33,25 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Append-only JSON-lines metrics: one `config` record, then `train`/`eval`/... records."""
+    """Append-only JSON-lines metrics: one `config` record, then `train`/`eval`/... records.
 
-    def __init__(self, run_dir: Path, *, enabled: bool = True) -> None:
+    With `tensorboard=True` every numeric field also goes to TensorBoard as `kind/field`.
+    """
+
+    def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = False) -> None:
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
+        self.tb = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "--report.tensorboard needs tensorboard: pip install 'isotrain[tensorboard]'"
+                ) from e
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one record and flush, so a killed run keeps every record written."""
@@ -48,6 +60,20 @@ class MetricsWriter:
         record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tb is not None and "step" in fields:
+            for key, value in fields.items():
+                if (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and key != "step"
+                ):
+                    self.tb.add_scalar(f"{kind}/{key}", value, fields["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        """Close the TensorBoard writer, if any (the JSON file is closed after every record)."""
+        if self.tb is not None:
+            self.tb.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
