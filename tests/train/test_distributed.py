@@ -346,6 +346,25 @@ def _check_fsdp_resume(info: DistInfo, out_dir: Path) -> dict:
     return {"fsdp_steps": [st.step, st2.step]}
 
 
+def _check_ddp_compile(info: DistInfo, out_dir: Path) -> dict:
+    """The trainer under DDP with checkpointing and per-block compile, no recompiles allowed."""
+    from isotrain.train.loop import train
+    from isotrain.train.report import read_metrics
+
+    cfg = _smoke(
+        parallel=C.ParallelConfig(mode="ddp"),
+        checkpointing=C.CheckpointingConfig(policy="full"),
+        compile=C.CompileConfig(enabled=True, backend="eager", fail_on_recompile=True),
+        steps=3, eval_every=2, log_every=1, sample_tokens=0, out_dir=str(out_dir / "ddp_compile"),
+    )  # fmt: skip
+    st = train(cfg)
+    out = {"ddp_compile_steps": st.step}
+    if info.is_main:
+        train_records = [r for r in read_metrics(cfg.out_dir) if r["kind"] == "train"]
+        out["ddp_compiles_after_warmup"] = train_records[-1]["compiles_after_warmup"]
+    return out
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
@@ -361,6 +380,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res.update(_check_guard(info))
         res.update(_check_rng_per_rank(info, Path(out)))
         res.update(_check_fsdp_resume(info, Path(out)))
+        res.update(_check_ddp_compile(info, Path(out)))
         res["any_rank"] = [any_rank(info.rank == 1, info.device), any_rank(False, info.device)]
         res["world"] = dist.get_world_size()
     res["destroyed"] = not dist.is_initialized()
@@ -393,6 +413,13 @@ def test_ddp_and_fsdp_gradients_equal_one_process_on_the_global_batch(world) -> 
         assert res["ddp_grad_rel_diff"] < GRAD_TOL, res["ddp_grad_rel_diff"]
         assert res["fsdp_grad_rel_diff"] < GRAD_TOL, res["fsdp_grad_rel_diff"]
         assert res["ddp_no_sync_kept_local"]
+
+
+@pytest.mark.slow
+def test_ddp_composes_with_checkpointing_and_compile(world) -> None:
+    results, _ = world
+    assert [r["ddp_compile_steps"] for r in results] == [3, 3]
+    assert results[0]["ddp_compiles_after_warmup"] == 0
 
 
 @pytest.mark.slow
