@@ -61,3 +61,12 @@ def test_all_five_patterns_compose_without_recompiles(tmp_path) -> None:
     assert last["skipped_total"] == 1
     summary = records[-1]
     assert summary["skipped_nonfinite_loss"] == 1 and summary["compile_seconds"] > 0
+
+
+def test_without_the_guard_an_injected_nan_reaches_the_weights(tmp_path) -> None:
+    for enabled in (True, False):
+        run = setup(_cfg(tmp_path, guard=C.GuardConfig(enabled=enabled, inject_nan_at=(2,))))
+        for _ in range(2):
+            train_step(run)
+        finite = all(torch.isfinite(p).all() for p in run.model.parameters())
+        assert finite is enabled

@@ -180,7 +180,7 @@ class TrainConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    steps: int = 600
+    steps: int = 500
     """Optimizer steps to train for."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""

@@ -38,7 +38,8 @@ def _make_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler
 
 
 class PlainUpdater:
-    """Clip and step with no skipping: a NaN here reaches the weights (use the guard)."""
+    """Clip and step with no skipping: a NaN here reaches the weights (`--guard.enabled False`;
+    with `--guard.inject-nan-at` it shows what the guard prevents)."""
 
     def __init__(
         self,
@@ -49,8 +50,13 @@ class PlainUpdater:
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scaler, self.max_norm = optimizer, scaler, cfg.optim.grad_clip
+        steps = cfg.guard.inject_nan_at
+        self.inject = FaultInjector(at_steps=steps) if steps else None
 
     def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
+        """Backward of the (scaled) loss; returns the loss as used, faults injected included."""
+        if self.inject is not None:
+            loss = self.inject.corrupt_loss(loss, step + 1)  # steps as numbered in the logs
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss
 
@@ -84,7 +90,7 @@ class PlainUpdater:
             self.scaler.load_state_dict(state["scaler"])
 
 
-class GuardedUpdater:
+class GuardedUpdater(PlainUpdater):
     """isotrain.guard's StepGuard: non-finite or spiking steps are skipped on the device.
 
     With `--guard.rollback-after N`, a Rollback restores the last good weights once N
@@ -99,6 +105,7 @@ class GuardedUpdater:
         scaler: torch.amp.GradScaler | None,
         info: DistInfo,
     ) -> None:
+        super().__init__(cfg, model, optimizer, scaler)
         g = cfg.guard
         self.guard = StepGuard(
             optimizer,
@@ -109,20 +116,11 @@ class GuardedUpdater:
             spike_window=g.spike_window,
             spike_min_samples=min(16, g.spike_window),
         )
-        self.scaler = scaler
-        self.inject = FaultInjector(at_steps=g.inject_nan_at) if g.inject_nan_at else None
         self.rollback = (
             Rollback(model, optimizer, every=cfg.log_every, patience=g.rollback_after)
             if g.rollback_after
             else None
         )
-
-    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
-        """Backward of the (scaled) loss; returns the loss as used, faults injected included."""
-        if self.inject is not None:
-            loss = self.inject.corrupt_loss(loss, step + 1)  # steps as numbered in the logs
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-        return loss
 
     def step(self, loss: torch.Tensor, step: int) -> StepOutcome:
         return self.guard.step(loss)
@@ -151,15 +149,14 @@ class GuardedUpdater:
 
     def state_dict(self) -> dict[str, Any]:
         return {
+            **super().state_dict(),
             "guard": self.guard.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
             "rollback": self.rollback.state_dict() if self.rollback else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
         self.guard.load_state_dict(state["guard"])
-        if self.scaler and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
         if self.rollback and state.get("rollback"):
             self.rollback.load_state_dict(state["rollback"])
 
