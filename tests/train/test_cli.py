@@ -28,6 +28,9 @@ def test_train_writes_metrics_and_snapshot(smoke_run) -> None:
     assert [r["step"] for r in train] == [2, 4, 6, 8]
     assert all(r["tokens_per_s"] > 0 for r in train)
     assert [r["skipped_total"] for r in train] == [0, 1, 1, 1]  # the injected NaN at step 3
+    seen = [0] + [r["tokens_seen"] for r in train]
+    timed = sum((b - a) / r["tokens_per_s"] for a, b, r in zip(seen, seen[1:], train))
+    assert timed == pytest.approx(records[-1]["train_seconds"], rel=1e-6)  # eval time left out
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [4, 8]
     summary = records[-1]

@@ -327,11 +327,13 @@ def _loop(
     cfg, st = run.cfg, run.state
     first, timer, stopping = st.step, _Timer(st.tokens_seen), False
     while st.step < cfg.steps and not stopping:
-        if st.step != first:
-            with timer.paused():
-                if st.step % cfg.eval_every == 0:
+        eval_due = st.step % cfg.eval_every == 0
+        snapshot_due = cfg.snapshot.every and st.step % cfg.snapshot.every == 0
+        if st.step != first and (eval_due or snapshot_due):
+            with timer.paused():  # evaluation and snapshots stay out of tokens/s
+                if eval_due:
                     _evaluate_and_record(run, reporter, metrics, baseline)
-                if cfg.snapshot.every and st.step % cfg.snapshot.every == 0:
+                if snapshot_due:
                     save_run(run)
         outcome = train_step(run)
         log_step = st.step % cfg.log_every == 0 or st.step == cfg.steps
@@ -381,22 +383,23 @@ class _Timer:
     """Wall time of training steps only: evaluation and snapshots are paused out."""
 
     def __init__(self, tokens: int) -> None:
-        self.t0, self.tokens, self.total = time.perf_counter(), tokens, 0.0
+        self.last, self.tokens = time.perf_counter(), tokens
+        self.excluded = self.total = 0.0
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        self.total += time.perf_counter() - self.t0
+        start = time.perf_counter()
         try:
             yield
         finally:
-            self.t0 = time.perf_counter()
+            self.excluded += time.perf_counter() - start
 
     def lap(self, tokens: int) -> tuple[float, int]:
-        """Seconds and tokens since the last lap."""
+        """Seconds of training and tokens since the last lap."""
         now = time.perf_counter()
-        dt, n = now - self.t0, tokens - self.tokens
+        dt, n = now - self.last - self.excluded, tokens - self.tokens
         self.total += dt
-        self.t0, self.tokens = now, tokens
+        self.last, self.tokens, self.excluded = now, tokens, 0.0
         return dt, n
 
 
