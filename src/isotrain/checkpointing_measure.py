@@ -64,6 +64,8 @@ def resolve_modules(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[
 
     `modules` is a module type, a tuple of types, a predicate `(name, module) -> bool`, or None
     for the children of every outermost `nn.ModuleList` (the usual transformer block list).
+
+    Example: ``[name for name, _ in resolve_modules(gpt)]  # ["blocks.0", "blocks.1", ...]``
     """
     if modules is None:
 
@@ -103,7 +105,10 @@ def _parent_is_modulelist(model: nn.Module, name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class BlockStats:
-    """One block's saved-activation bytes and forward FLOPs, as measured."""
+    """One block's saved-activation bytes and forward FLOPs, as measured.
+
+    Example: ``[b.saved_bytes for b in measure_activation_memory(model, x).blocks]``
+    """
 
     name: str
     saved_bytes: int
@@ -120,6 +125,8 @@ class MemoryReport:
     not measured).
     `peak_bytes` is CUDA max_memory_allocated during forward+backward above the level before it
     (None off CUDA).
+
+    Example: ``print(measure_activation_memory(model, x).table())``
     """
 
     blocks: tuple[BlockStats, ...]
