@@ -419,9 +419,10 @@ def _finish(
         "best_val_loss": st.best_val,
         "unigram_baseline": baseline,
         "train_seconds": train_time,
-        "compile_seconds": run.compile_seconds,
         **run.updater.totals(),
     }
+    if run.cfg.compile.enabled:
+        summary["compile_seconds"] = run.compile_seconds
     metrics.write("summary", **summary)
     reporter.summary(
         {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()}
