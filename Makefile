@@ -1,4 +1,5 @@
 # isotrain: `make train` and `make test` create the environment when it is missing, then run.
+# TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
 VENV ?= .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet $(TORCH)
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
