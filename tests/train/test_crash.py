@@ -25,11 +25,11 @@ ARGS = [
     "--data.max-bytes",
     "60000",
     "--steps",
-    "14",
+    "60",
     "--log-every",
     "1",
     "--snapshot.every",
-    "2",
+    "5",
     "--snapshot.keep",
     "2",
     "--model.dropout",
@@ -43,12 +43,17 @@ def _start(out: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> bool:
+    """True once `predicate` holds while `proc` runs; False if it finished first (exit 0)."""
     end = time.monotonic() + timeout
     while not predicate():
-        assert proc.poll() is None, proc.stderr.read().decode()
+        code = proc.poll()
+        if code is not None:
+            assert code == 0, proc.stderr.read().decode()
+            return False
         assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
+        time.sleep(0.01)
+    return True
 
 
 def _last_step(out: Path) -> int:
@@ -62,22 +67,24 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     out = tmp_path / "crashy"
     # 1. SIGTERM once training is under way: a final snapshot, then a clean exit.
     proc = _start(out)
-    _wait_for(lambda: len(find_snapshots(out)) >= 1, proc)
+    assert _wait_for(lambda: len(find_snapshots(out)) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
     stopped_at = int((out / "snapshots" / "LATEST").read_text().split("_")[1])
-    assert 2 <= stopped_at < 14
+    assert 5 <= stopped_at < 60
     # 2. SIGKILL at seeded random moments of training (bounded): each restart resumes.
-    rng = random.Random(0)
+    rng, kills = random.Random(0), 0
     for _ in range(2):
         proc = _start(out)
-        target = _last_step(out) + rng.randint(1, 3)
-        _wait_for(lambda t=target: _last_step(out) >= t, proc)
-        time.sleep(rng.uniform(0.0, 0.3))  # mid-step, mid-snapshot or mid-log
-        proc.kill()
+        target = _last_step(out) + rng.randint(3, 12)
+        if _wait_for(lambda t=target: _last_step(out) >= t, proc):  # else: it finished first
+            time.sleep(rng.uniform(0.0, 0.05))  # mid-step, mid-snapshot or mid-log
+            proc.kill()
+            kills += 1
         proc.wait(timeout=30)
         assert not list((out / "snapshots").glob("step_*/state.pt.tmp*"))
         load_snapshot(out)  # the newest intact snapshot always loads
+    assert kills >= 1
     # 3. Run to the end.
     proc = _start(out)
     assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()
@@ -86,10 +93,10 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     train(dataclasses.replace(parse_train_args(ARGS), out_dir=str(straight)))
     a, _ = load_snapshot(out)
     b, _ = load_snapshot(straight)
-    assert a["train_state"]["step"] == b["train_state"]["step"] == 14
+    assert a["train_state"]["step"] == b["train_state"]["step"] == 60
     for name, tensor in b["model"].items():
         assert torch.equal(a["model"][name], tensor), name
 
 
 def test_train_config_of_the_crash_test_is_valid() -> None:
-    assert C.validate(parse_train_args(ARGS)).snapshot.every == 2
+    assert C.validate(parse_train_args(ARGS)).snapshot.every == 5
