@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from isotrain.guard import SkipReason, StepGuard, safe_backward
-from isotrain.guard_recovery import FaultInjector, SpikeDetector, forbid_host_sync
+from isotrain.guard_recovery import FaultInjector, forbid_host_sync
+from isotrain.guard_spikes import SpikeDetector
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),

@@ -62,12 +62,12 @@ from isotrain.guard_recovery import (
     Provenance,
     Rollback,
     RollbackAction,
-    SpikeDetector,
     find_nonfinite_source,
     load_failure_case,
     nonfinite_grads,
     save_failure_case,
 )
+from isotrain.guard_spikes import SpikeDetector
 
 __version__ = "0.1.0"
 

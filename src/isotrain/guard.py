@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from isotrain.guard_recovery import SpikeDetector
+from isotrain.guard_spikes import SpikeDetector
 
 __all__ = [
     "SkipReason",
