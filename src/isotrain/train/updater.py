@@ -38,7 +38,7 @@ def _make_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler
 
 
 class PlainUpdater:
-    """Clip and step with no skipping: a NaN here reaches the weights (`--guard.enabled False`;
+    """Clip and step with no skipping: a NaN here reaches the weights (`--guard.no-enabled`;
     with `--guard.inject-nan-at` it shows what the guard prevents)."""
 
     def __init__(
@@ -164,7 +164,7 @@ class GuardedUpdater(PlainUpdater):
 def build_updater(
     cfg: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, info: DistInfo
 ) -> Updater:
-    """The guarded updater unless `--guard.enabled False`."""
+    """The guarded updater unless `--guard.no-enabled`."""
     scaler = _make_scaler(cfg, info.device)
     if cfg.guard.enabled:
         return GuardedUpdater(cfg, model, optimizer, scaler, info)
