@@ -1,7 +1,9 @@
 """Snapshots and exact resume: N steps straight == k steps + resume for N - k, bit for bit."""
 
 import dataclasses
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from isotrain.train import config as C
 from isotrain.train.loop import train
 from isotrain.train.report import read_metrics
+from isotrain.train.resume import stop_on_signals
 from isotrain.train.snapshot import SnapshotError, find_snapshots, load_snapshot, save_snapshot
 
 
@@ -119,3 +122,13 @@ def test_snapshot_never_executes_code(tmp_path) -> None:
     save_snapshot(tmp_path, {"x": Evil()}, step=1)
     with pytest.raises(SnapshotError, match="every snapshot is damaged"):
         load_snapshot(tmp_path)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signals_become_a_stop_flag_and_handlers_are_restored(signum) -> None:
+    before = signal.getsignal(signum)
+    with stop_on_signals() as stop:
+        assert not stop
+        os.kill(os.getpid(), signum)  # Ctrl-C / a scheduler's preemption notice
+        assert stop and stop.signal == signum
+    assert signal.getsignal(signum) is before
