@@ -132,3 +132,12 @@ def test_signals_become_a_stop_flag_and_handlers_are_restored(signum) -> None:
         os.kill(os.getpid(), signum)  # Ctrl-C / a scheduler's preemption notice
         assert stop and stop.signal == signum
     assert signal.getsignal(signum) is before
+
+
+def test_safe_changes_on_resume_are_accepted_and_logged(tmp_path, caplog) -> None:
+    train(_cfg(tmp_path, steps=3))
+    with caplog.at_level("WARNING", logger="isotrain.train.resume"):
+        state = train(_cfg(tmp_path, steps=5, log_every=2))
+    assert state.step == 5
+    assert "changed on resume: --steps: 3 -> 5" in caplog.text
+    assert "changed on resume: --log-every: 1 -> 2" in caplog.text
