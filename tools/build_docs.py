@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     files = build(args.output, show_source=not args.no_source, include_train=args.with_train)
     index = args.output / "index.html"
-    print(f"wrote {len(files)} HTML files to {args.output} (open {index})")  # noqa: T201
+    print(f"wrote {len(files)} HTML files to {args.output} (open {index})")
     return 0
 
 
