@@ -14,7 +14,7 @@ from torch import nn
 
 from isotrain.guard import SkipReason, StepGuard, safe_backward
 from isotrain.guard_recovery import FaultInjector, forbid_host_sync
-from isotrain.guard_spikes import SpikeDetector
+from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
@@ -378,3 +378,58 @@ def test_two_rank_world_agrees_on_every_skip(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_two_rank_worker, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+
+
+def test_host_spike_detector_matches_the_reference_and_crosses_state_with_the_device_one():
+    host = HostSpikeDetector(n_series=1, k=3.0, window=8, min_samples=4)
+    dev = SpikeDetector(n_series=1, k=3.0, window=8, min_samples=4)
+    accepted: list[float] = []
+    values = [1.0, 1.2, 0.9, 1.1, 1.05, 0.95, 9.0, 1.0, 1.3, 0.8, 1.1, 1.2, 1.0, 0.7, 3.0, 1.0]
+    for v in torch.tensor(values).tolist():  # float32 values, as the guard feeds them
+        (spike,) = host.is_spike([v])
+        last = accepted[-8:]
+        expect = len(accepted) >= 4 and v > statistics.mean(last) + 3.0 * statistics.stdev(last)
+        assert spike == expect == dev.is_spike(torch.tensor([v]))[0].item(), (v, last)
+        host.update([v], accept=not spike)
+        dev.update(torch.tensor([v]), torch.tensor(not spike))
+        accepted += [] if spike else [v]
+    assert_same(host.state_dict(), dev.state_dict())  # one format: snapshots cross
+    again = HostSpikeDetector(n_series=1, k=3.0, window=8, min_samples=4)
+    again.load_state_dict(dev.state_dict())
+    assert again._sum == host._sum and again._sumsq == host._sumsq  # exact sums: exact resume
+    with pytest.raises(ValueError, match="accepted values must be finite"):
+        host.update([float("nan")], accept=True)
+
+
+@pytest.mark.parametrize(("src", "dst"), [("host", "select"), ("select", "host")])
+def test_state_dict_crosses_skip_modes(src, dst):
+    def run(guard, model, steps):
+        out = []
+        for step in steps:
+            loss_of(model, step).backward()
+            value = 1.0 + 0.02 * (step % 5) + (30.0 if step == 12 else 0)
+            out.append(guard.step(torch.tensor(float("nan") if step == 3 else value)).to_dict())
+        return out
+
+    def make(mode, model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        return StepGuard(opt, model, spike_min_samples=4, skip_mode=mode)
+
+    model = make_model()
+    guard = make(src, model)
+    run(guard, model, range(8))
+    resumed_model = copy.deepcopy(model)
+    resumed = make(dst, resumed_model)
+    buf = io.BytesIO()
+    torch.save(guard.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    resumed.load_state_dict(state)
+    assert_same(resumed.state_dict(), guard.state_dict())
+    assert resumed.summary() == guard.summary()
+    a, b = run(guard, model, range(8, 14)), run(resumed, resumed_model, range(8, 14))
+    assert a == b and a[4]["reason"] == "LOSS_SPIKE"
+    assert_same(resumed.state_dict(), guard.state_dict())
+    s = guard.summary()
+    assert s == resumed.summary() and s["skipped_by_reason"]["NONFINITE_LOSS"] == 1
+    assert int(resumed.consecutive_skips) == int(guard.consecutive_skips) == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import math
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from isotrain.guard_spikes import SpikeDetector
+from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
 
 __all__ = [
     "SkipReason",
@@ -92,7 +93,7 @@ def safe_backward(
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """One guarded step as device tensors; read them only at log steps (reading syncs).
+    """One guarded step as device tensors (read-only); read them only at log steps (reading syncs).
 
     Example: ``outcome = guard.step(loss.detach()); if log_step: print(outcome.to_dict())``
     """
@@ -123,8 +124,11 @@ class StepOutcome:
 # "select": copy params and optimizer state tensors before the step (one _foreach_copy_ into
 #   reused buffers), run the step, then `torch.where(ok, new, old, out=new)`: any optimizer,
 #   NaN-safe (selection, not multiply-by-0), sync-free.
-# "host": branch on the host and skip `optimizer.step()`. Free when the decision lives in host
-#   memory (CPU training: reading a CPU tensor waits for no device), a sync on accelerators.
+# "host": read loss and norm as Python floats, decide, count and keep the spike window on the
+#   host (HostSpikeDetector), and skip `optimizer.step()` (and the clip) by branching. Free when
+#   the values live in host memory (CPU training: reading a CPU tensor waits for no device), a
+#   sync per step on accelerators; `sync_check` is not applied in this mode. Counters become
+#   tensors only in state_dict() (the same format as the device modes', so snapshots cross).
 # "auto" = host on CPU, else found_inf for fused optimizers, else select. On CPU, `torch.where`
 # runs at ~3 ns/element (not memory-bound as on GPUs), so select would cost ~2x the update.
 #
@@ -137,6 +141,29 @@ class StepOutcome:
 # 3. state on another device than the decision: torch's non-fused, non-capturable Adam keeps
 #    `step` on the CPU when params are on CUDA. Use fused=True or capturable=True there.
 # Case 3 never arises on CPU; cases 1-2 end at the first applied step.
+
+
+# The skip flags in priority order (the first set one is the reason).
+_FLAG_CODES = (SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
+               SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE)  # fmt: skip
+_FLAG_CODES = tuple(int(c) for c in _FLAG_CODES)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as float32 on ``device``; dispatches nothing when it already is (saves per step)."""
+    if t.dtype != torch.float32 or t.device != device:
+        return t.to(device=device, dtype=torch.float32)
+    return t
+
+
+def _clip_is_one(max_norm: float, norm: torch.Tensor, norm_f: float) -> bool:
+    """Whether clip_grads_with_norm_ would multiply by exactly 1.0 (skipping it is bitwise equal).
+
+    It multiplies by min(1, max_norm / (norm + 1e-6)) in the norm's dtype; in float32/64 a norm
+    this far below max_norm gives a factor > 1 despite rounding (~1e-7), clamped to 1.0.
+    """
+    wide = norm.dtype in (torch.float32, torch.float64)
+    return wide and norm_f + 1e-6 <= max_norm * (1 - 1e-5)
 
 
 class StepGuard:
@@ -182,22 +209,32 @@ class StepGuard:
         self.names, self.params = [n for n, _ in named], [p for _, p in named]
         dev = self.device = self.params[0].device
         self.skip_mode = self._resolve_mode(skip_mode, optimizer, dev)
-        self.spikes = None
+        self.host = self.skip_mode == "host"
+        self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
-            self.spikes = SpikeDetector(
-                n_series=2, k=spike_k, window=spike_window, min_samples=spike_min_samples,
-                device=dev,
-            )  # fmt: skip
+            kw = {"n_series": 2, "k": spike_k, "window": spike_window}
+            self.spikes = (
+                HostSpikeDetector(**kw, min_samples=spike_min_samples)
+                if self.host
+                else SpikeDetector(**kw, min_samples=spike_min_samples, device=dev)
+            )
         self.steps = 0  # attempted steps (a host int: it advances every call)
-        self._applied = torch.zeros((), dtype=torch.int64, device=dev)
-        self._by_reason = torch.zeros(len(SkipReason), dtype=torch.int64, device=dev)
-        self._consecutive = torch.zeros((), dtype=torch.int64, device=dev)
-        self._last = torch.zeros(4, dtype=torch.float32, device=dev)  # reason, norm, loss, scale
-        self._codes = torch.arange(len(SkipReason), device=dev)
+        # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
+        # Python numbers in host mode, one device buffer each otherwise.
+        self._counts: Any = [0] * (len(SkipReason) + 2)
+        self._last: Any = [0.0] * 4
+        if not self.host:
+            self._counts = torch.zeros(len(SkipReason) + 2, dtype=torch.int64, device=dev)
+            self._last = torch.zeros(4, dtype=torch.float32, device=dev)
+            self._count_table = self._make_count_table().to(dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
+        self._consts = (  # StepOutcome's applied / reason in host mode (shared, read-only)
+            [torch.tensor(r == SkipReason.OK, device=dev) for r in SkipReason],
+            [torch.tensor(int(r), device=dev) for r in SkipReason],
+        )
         self._snap_src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
         self._snap: list[torch.Tensor] = []
-        self._grad_finite: torch.Tensor | None = None  # per-tensor, in `_grad_names` order
+        self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_names` order
         self._grad_names: list[str] = []
         self._warned: set[str] = set()
         # Tests set this to guard_recovery.forbid_host_sync; it wraps the sync-free phases.
@@ -209,30 +246,67 @@ class StepGuard:
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
         """Unscale, clip, decide, apply or skip the update, update the scaler, count, zero grads."""
         with torch.no_grad():
-            with self.sync_check():
-                scale, found_inf = self._unscale()
-                grads, norm = self._grad_norm()
-                ok, reason, loss32, norm_g = self._decide(loss, norm, found_inf)
-                if self.max_norm is not None and grads:
-                    nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
-            if self.skip_mode == "host":
-                if bool(ok):  # sync: none on CPU, see NOTE [skip modes]
-                    self.optimizer.step()
-            else:
-                with self.sync_check():
-                    fresh, host_state = self._snapshot()
-                fused = self.skip_mode == "found_inf"
-                with self.sync_check() if fused else contextlib.nullcontext():
-                    self._optimizer_step(ok)
-                self._undo_host_state(ok, fresh, host_state)
-            with self.sync_check():
-                self._restore(ok)
-                if self.scaler is not None:
-                    self.scaler.update()
-                self._count(ok, reason, torch.stack([norm_g, loss32, scale]))
-                self.optimizer.zero_grad(set_to_none=True)
+            outcome = self._host_step(loss) if self.host else self._device_step(loss)
         self.steps += 1
+        return outcome
+
+    def _device_step(self, loss: torch.Tensor | float) -> StepOutcome:
+        with self.sync_check():
+            scale, found_inf = self._unscale()
+            grads, norm = self._grad_norm()
+            ok, reason, loss32, norm_g = self._decide(loss, norm, found_inf)
+            if self.max_norm is not None and grads:
+                nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
+            fresh, host_state = self._snapshot()
+        fused = self.skip_mode == "found_inf"
+        with self.sync_check() if fused else contextlib.nullcontext():
+            self._optimizer_step(ok)
+        self._undo_host_state(ok, fresh, host_state)
+        with self.sync_check():
+            self._restore(ok)
+            if self.scaler is not None:
+                self.scaler.update()
+            self._count(reason, [norm_g, loss32, scale])
+            self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok, reason, norm_g, loss32, scale)
+
+    def _host_step(self, loss: torch.Tensor | float) -> StepOutcome:
+        # See NOTE [skip modes]: every read below is a host read, no device sync, on CPU.
+        loss32 = self._loss32(loss)
+        scale, found_inf = self._unscale()
+        grads, norm = self._grad_norm()
+        norm_g = _on(norm, self.device)
+        if self._world() > 1:
+            overflow = found_inf if found_inf is not None else torch.zeros((), device=self.device)
+            vec = self._all_reduce_mean(torch.stack([loss32, norm_g, overflow.float()]))
+            loss32, norm_g = vec[0], vec[1]
+            lf, nf, of = vec.tolist()  # sync: host mode
+            if found_inf is not None:
+                self._agree_found_inf(vec[2] > 0)
+        else:
+            lf, nf = loss32.item(), norm_g.item()  # sync: host mode
+            of = found_inf.item() if found_inf is not None else 0.0  # sync: host mode
+        flags = self.spikes.is_spike([lf, nf]) if self.spikes is not None else [False, False]
+        flags = [not math.isfinite(lf), of > 0, not math.isfinite(nf), *flags]
+        reason = next((code for code, f in zip(_FLAG_CODES, flags) if f), 0)  # first wins
+        ok = reason == 0
+        if self.spikes is not None:
+            self.spikes.update([lf, nf], ok)  # type: ignore[arg-type]
+        if ok:
+            if self.max_norm is not None and grads and not _clip_is_one(self.max_norm, norm, nf):
+                nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
+            self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()
+        sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
+        c = self._counts
+        c[0] += ok
+        c[reason + 1] += 1
+        c[-1] = 0 if ok else c[-1] + 1
+        self._last = [float(reason), nf, lf, sf]
+        self.optimizer.zero_grad(set_to_none=True)
+        applied_t, reason_t = self._consts
+        return StepOutcome(applied_t[reason], reason_t[reason], norm_g, loss32, scale)
 
     @staticmethod
     def _resolve_mode(mode: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
@@ -269,7 +343,7 @@ class StepGuard:
         named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
         grads = [g for _, g in named]
         if not grads:
-            self._grad_finite, self._grad_names = None, []
+            self._grad_per, self._grad_names = None, []
             return grads, torch.zeros((), device=self.device)
         norms, order = [], []
         groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
@@ -282,48 +356,59 @@ class StepGuard:
         per = torch.stack([n.to(grads[0].device) for n in norms])
         if hasattr(per, "full_tensor"):  # FSDP2 DTensor grads: reduce the per-shard norms
             per = per.full_tensor()
-        self._grad_finite, self._grad_names = per.isfinite(), [named[i][0] for i in order]
+        self._grad_per, self._grad_names = per, [named[i][0] for i in order]
         return grads, torch.linalg.vector_norm(per, 2.0)
 
-    def _decide(
-        self, loss: torch.Tensor | float, norm: torch.Tensor, found_inf: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        loss = torch.as_tensor(loss, device=self.device).detach()
+    def _loss32(self, loss: torch.Tensor | float) -> torch.Tensor:
+        """The loss as a fresh () float32 tensor on the guard's device (step runs under no_grad)."""
+        if not isinstance(loss, torch.Tensor):
+            return torch.tensor(float(loss), dtype=torch.float32, device=self.device)
         if loss.numel() != 1:
             raise ValueError(
                 f"guard.step(loss) needs the scalar (mean) loss, got shape {tuple(loss.shape)}"
             )
+        loss = loss.to(device=self.device, dtype=torch.float32, copy=True)  # one op
+        return loss if loss.dim() == 0 else loss.reshape(())
+
+    def _decide(
+        self, loss: torch.Tensor | float, norm: torch.Tensor, found_inf: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        loss32 = self._loss32(loss)
         overflow = found_inf if found_inf is not None else torch.zeros((), device=self.device)
-        vec = torch.stack(
-            [loss.float().reshape(()), norm.float().to(self.device), overflow.float()]
-        )
+        vec = torch.stack([loss32, _on(norm, self.device), overflow.float()])
         vec = self._all_reduce_mean(vec)  # agree across ranks: NaN anywhere is NaN everywhere
         loss32, norm_g, overflow = vec[0], vec[1], vec[2] > 0
-        if found_inf is not None:  # make every rank's GradScaler.update() see the agreed flag
-            sc: Any = self.scaler
-            for t in sc._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
-                t.copy_(overflow)
+        if found_inf is not None:
+            self._agree_found_inf(overflow)
         spike = torch.zeros(2, dtype=torch.bool, device=self.device)
         if self.spikes is not None:
-            spike = self.spikes.is_spike(vec[:2])
+            spike = self.spikes.is_spike(vec[:2])  # type: ignore[arg-type]
         flags = [~loss32.isfinite(), overflow, ~norm_g.isfinite(), spike[0], spike[1]]
-        codes = [SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
-                 SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE]  # fmt: skip
         reason = torch.zeros((), dtype=torch.int64, device=self.device)
-        for flag, code in reversed(list(zip(flags, codes))):  # first listed wins
-            reason = torch.where(flag, int(code), reason)
+        for flag, code in reversed(list(zip(flags, _FLAG_CODES))):  # first listed wins
+            reason = torch.where(flag, code, reason)
         ok = reason == SkipReason.OK
         if self.spikes is not None:
-            self.spikes.update(vec[:2], ok)
+            self.spikes.update(vec[:2], ok)  # type: ignore[arg-type]
         return ok, reason, loss32, norm_g
 
-    def _all_reduce_mean(self, vec: torch.Tensor) -> torch.Tensor:
+    def _agree_found_inf(self, overflow: torch.Tensor) -> None:
+        """Make every rank's GradScaler.update() see the agreed overflow flag."""
+        sc: Any = self.scaler
+        for t in sc._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
+            t.copy_(overflow)
+
+    def _world(self) -> int:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
-            return vec
-        world = dist.get_world_size(self.process_group)
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def _all_reduce_mean(self, vec: torch.Tensor) -> torch.Tensor:
+        world = self._world()
         if world == 1:
             return vec
+        dist = torch.distributed
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.process_group)
         return vec / world
 
@@ -396,11 +481,27 @@ class StepGuard:
             for s, k, v in changed:
                 s[k] = v
 
-    def _count(self, ok: torch.Tensor, reason: torch.Tensor, values: torch.Tensor) -> None:
-        self._applied.add_(ok.to(torch.int64))
-        self._by_reason.add_((self._codes == reason).to(torch.int64))
-        self._consecutive.copy_(torch.where(ok, 0, self._consecutive + 1))
-        self._last.copy_(torch.cat([reason.float().view(1), values.float()]))
+    @staticmethod
+    def _make_count_table() -> torch.Tensor:
+        """(reasons, 2, counters) int64: row r holds the multiplier and the increment for reason r.
+
+        Counters are [applied, *by_reason, consecutive]; consecutive is reset by a 0 multiplier
+        (ints: no NaN * 0 issue), so one update is `counts * mul + inc`.
+        """
+        n = len(SkipReason)
+        table = torch.zeros(n, 2, n + 2, dtype=torch.int64)
+        table[:, 0] = 1
+        for r in range(n):
+            table[r, 0, -1] = int(r != SkipReason.OK)  # consecutive: reset when applied
+            table[r, 1, 0] = int(r == SkipReason.OK)  # applied
+            table[r, 1, 1 + r] = 1  # by_reason
+            table[r, 1, -1] = int(r != SkipReason.OK)  # consecutive: +1 when skipped
+        return table
+
+    def _count(self, reason: torch.Tensor, values: list[torch.Tensor]) -> None:
+        mul, inc = self._count_table.index_select(0, reason.view(1))[0]  # (2, counters)
+        torch.addcmul(inc, self._counts, mul, out=self._counts)
+        torch.stack([reason.float(), *values], out=self._last)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -410,41 +511,55 @@ class StepGuard:
     # -- reading and state ----------------------------------------------------------------
     @property
     def consecutive_skips(self) -> torch.Tensor:
-        """Device int64 count of skipped steps since the last applied one."""
-        return self._consecutive
+        """int64 count of skipped steps since the last applied one (on the guard's device)."""
+        c = self._counts
+        return torch.tensor(c[-1], device=self.device) if self.host else c[-1].clone()
 
     def note_rollback(self) -> None:
         """Reset the consecutive-skip count after the caller restored a last-good state."""
-        self._consecutive.zero_()
+        if self.host:
+            self._counts[-1] = 0
+        else:
+            self._counts[-1].zero_()
+
+    def _host_values(self) -> tuple[list[int], list[float]]:
+        if self.host:
+            return list(self._counts), list(self._last)
+        vals = torch.cat([self._counts.double(), self._last.double()]).tolist()  # sync: log step
+        n = len(self._counts)
+        return [int(v) for v in vals[:n]], vals[n:]
 
     def summary(self) -> dict[str, Any]:
         """Counters for a log line: steps, applied, skipped (total and by reason), last values."""
-        counts = torch.cat([self._applied.view(1), self._by_reason, self._consecutive.view(1)])
-        vals = torch.cat([counts.double(), self._last.double()]).tolist()  # sync: log steps only
-        n = len(SkipReason)
-        applied, by_reason, consecutive = int(vals[0]), vals[1 : 1 + n], int(vals[1 + n])
-        reason, norm, loss, scale = vals[2 + n :]
+        (applied, *by_reason, consecutive), (reason, norm, loss, scale) = self._host_values()
         return {
             "steps": self.steps, "applied": applied, "skipped": self.steps - applied,
-            "skipped_by_reason": {r.name: int(by_reason[r]) for r in SkipReason if r},
+            "skipped_by_reason": {r.name: by_reason[r] for r in SkipReason if r},
             "consecutive_skips": consecutive, "last_reason": SkipReason(int(reason)).name,
             "last_grad_norm": norm, "last_loss": loss, "loss_scale": scale,
         }  # fmt: skip
 
     def nonfinite_grad_names(self) -> list[str]:
         """Names of the params whose gradient was non-finite at the last step (syncs once)."""
-        if self._grad_finite is None:
+        if self._grad_per is None:
             return []
-        finite = self._grad_finite.tolist()  # sync: called after a skip, at a log step
+        finite = self._grad_per.isfinite().tolist()  # sync: called after a skip, at a log step
         return [n for n, f in zip(self._grad_names, finite) if not f]
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and spike window as plain tensors/ints (loadable with weights_only=True)."""
+        """Counters and spike window as plain tensors/ints (loadable with weights_only=True).
+
+        The same format in every skip mode: a snapshot from one loads into a guard in another.
+        """
+        counts, last = self._counts, self._last
+        if self.host:
+            counts = torch.tensor(counts, dtype=torch.int64, device=self.device)
+            last = torch.tensor(last, dtype=torch.float32, device=self.device)
+        n = len(SkipReason)
         return {
-            "version": 1, "steps": self.steps, "applied": self._applied.clone(),
-            "by_reason": self._by_reason.clone(), "consecutive": self._consecutive.clone(),
-            "last": self._last.clone(),
-            "spikes": None if self.spikes is None else self.spikes.state_dict(),
+            "version": 1, "steps": self.steps, "applied": counts[0].clone(),
+            "by_reason": counts[1 : 1 + n].clone(), "consecutive": counts[-1].clone(),
+            "last": last.clone(), "spikes": self.spikes.state_dict() if self.spikes else None,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -454,7 +569,12 @@ class StepGuard:
                 f"unknown StepGuard state version {state.get('version')!r}; expected 1"
             )
         self.steps = int(state["steps"])
-        for name in ("applied", "by_reason", "consecutive", "last"):
-            getattr(self, f"_{name}").copy_(state[name])
+        counts = [state["applied"].view(1), state["by_reason"], state["consecutive"].view(1)]
+        counts = torch.cat([c.to(torch.int64).cpu() for c in counts])
+        if self.host:
+            self._counts, self._last = counts.tolist(), state["last"].float().tolist()
+        else:
+            self._counts.copy_(counts)
+            self._last.copy_(state["last"])
         if self.spikes is not None and state["spikes"] is not None:
             self.spikes.load_state_dict(state["spikes"])

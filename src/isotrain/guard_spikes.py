@@ -1,15 +1,26 @@
-"""The guard's spike window: mean + k * std of recent accepted values, kept on the device.
+"""The guard's spike window: mean + k * std of recent accepted values, on the device or the host.
 
-Runs inside the guarded step, so it never syncs. Imports only torch and the standard library.
+``SpikeDetector`` runs inside the sync-free guarded step (never syncs); ``HostSpikeDetector`` is
+the same test on Python floats for the guard's "host" mode. Imports only torch and the stdlib.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Any
 
 import torch
 
-__all__ = ["SpikeDetector"]
+__all__ = ["HostSpikeDetector", "SpikeDetector"]
+
+
+def _check_window(n_series: int, k: float, window: int, min_samples: int) -> None:
+    if window < 2 or not 2 <= min_samples <= window or k <= 0 or n_series < 1:
+        raise ValueError(
+            f"SpikeDetector needs window >= 2, 2 <= min_samples <= window and k > 0; got "
+            f"window={window}, min_samples={min_samples}, k={k}, n_series={n_series}"
+        )
 
 
 class SpikeDetector:
@@ -32,11 +43,7 @@ class SpikeDetector:
         self, *, n_series: int = 2, k: float = 6.0, window: int = 128, min_samples: int = 16,
         device: torch.device | str | None = None,
     ) -> None:  # fmt: skip
-        if window < 2 or not 2 <= min_samples <= window or k <= 0 or n_series < 1:
-            raise ValueError(
-                f"SpikeDetector needs window >= 2, 2 <= min_samples <= window and k > 0; got "
-                f"window={window}, min_samples={min_samples}, k={k}, n_series={n_series}"
-            )
+        _check_window(n_series, k, window, min_samples)
         self.k, self.window, self.min_samples = float(k), int(window), int(min_samples)
         self.values = torch.zeros(n_series, window, dtype=torch.float32, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # accepted values so far
@@ -70,3 +77,93 @@ class SpikeDetector:
             )
         self.values.copy_(state["values"])
         self.count.copy_(state["count"])
+
+
+# NOTE [exact host window]
+# Every float32 is an integer multiple of 2**-149, so the host window keeps its running sum and sum
+# of squares as exact Python ints (value * 2**149 and its square). Mean and variance then come
+# from one correctly rounded int division each: no cancellation, no drift over millions of steps,
+# and the same sums whether the window was filled step by step or loaded from a snapshot (so a
+# resumed run makes exactly the decisions of an uninterrupted one).
+_SHIFT = 149
+_SCALE = 2.0**_SHIFT
+
+
+def _f32(v: float) -> float:
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+class HostSpikeDetector:
+    """The same window and test as :class:`SpikeDetector`, on host floats (no torch op, no sync).
+
+    For the guard's "host" skip mode (CPU training), where the values are host floats anyway.
+    Values are rounded to float32 on entry, as in the device window. ``state_dict`` has the same
+    format as :class:`SpikeDetector`'s, so a snapshot written by either loads in the other.
+
+    Example::
+
+        det = HostSpikeDetector(n_series=1, k=6.0, window=128, min_samples=16)
+        (spike,) = det.is_spike([loss_value])
+        det.update([loss_value], accept=not spike)
+    """
+
+    REL_STD_FLOOR = SpikeDetector.REL_STD_FLOOR
+
+    def __init__(
+        self, *, n_series: int = 2, k: float = 6.0, window: int = 128, min_samples: int = 16
+    ) -> None:
+        _check_window(n_series, k, window, min_samples)
+        self.k, self.window, self.min_samples = float(k), int(window), int(min_samples)
+        self.values = [[0.0] * window for _ in range(n_series)]  # ring buffers, slot = count % W
+        self.count = 0  # accepted values so far
+        self._resum()
+
+    def is_spike(self, values: list[float]) -> list[bool]:
+        """Which values exceed mean + k*std of their window (all False until warm)."""
+        if self.count < self.min_samples:
+            return [False] * len(values)
+        n = min(self.count, self.window)
+        out = []
+        for v, s, q in zip(values, self._sum, self._sumsq, strict=True):
+            mean = s / (n << _SHIFT)  # exact ints, one rounding: see NOTE [exact host window]
+            std = math.sqrt((n * q - s * s) / ((n * (n - 1)) << (2 * _SHIFT)))
+            out.append(v > mean + self.k * max(std, abs(mean) * self.REL_STD_FLOOR))
+        return out
+
+    def update(self, values: list[float], accept: bool) -> None:
+        """Write ``values`` (finite) into the ring buffers when ``accept``."""
+        if not accept:
+            return
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError(f"HostSpikeDetector.update: accepted values must be finite: {values}")
+        slot = self.count % self.window
+        for i, v in enumerate(values):
+            v = _f32(v)
+            old, new = self._ints[i][slot], int(v * _SCALE)
+            self.values[i][slot], self._ints[i][slot] = v, new
+            self._sum[i] += new - old
+            self._sumsq[i] += new * new - old * old
+        self.count += 1
+
+    def _resum(self) -> None:
+        self._ints = [[int(v * _SCALE) for v in ring] for ring in self.values]
+        self._sum = [sum(r) for r in self._ints]
+        self._sumsq = [sum(x * x for x in r) for r in self._ints]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "values": torch.tensor(self.values, dtype=torch.float32),
+            "count": torch.tensor(self.count, dtype=torch.int64),
+            "k": self.k,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        shape = (len(self.values), self.window)
+        if tuple(state["values"].shape) != shape:
+            raise ValueError(
+                f"spike window shape {tuple(state['values'].shape)} does not match this "
+                f"detector's {shape}; build it with the same spike_window"
+            )
+        self.values = state["values"].detach().cpu().float().tolist()
+        self.count = int(state["count"])
+        self._resum()
