@@ -2,8 +2,9 @@
 
 ``safe_backward`` is the seed's simple API (it syncs: it returns a Python bool). ``StepGuard``
 is the guarded step for real loops: finiteness and spikes are decided on the device and the
-update is applied or skipped by *selection*, with no host-device synchronization. The spike
-window, provenance, rollback and fault injection live in :mod:`isotrain.guard_recovery`.
+update is applied or skipped by *selection* (:mod:`isotrain.guard_select`), with no
+host-device synchronization. The spike window is in :mod:`isotrain.guard_spikes`; provenance,
+rollback and fault injection in :mod:`isotrain.guard_recovery`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from isotrain.guard_select import SelectiveStep
 from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
 
 __all__ = [
@@ -131,16 +133,6 @@ class StepOutcome:
 #   tensors only in state_dict() (the same format as the device modes', so snapshots cross).
 # "auto" = host on CPU, else found_inf for fused optimizers, else select. On CPU, `torch.where`
 # runs at ~3 ns/element (not memory-bound as on GPUs), so select would cost ~2x the update.
-#
-# NOTE [where select / found_inf may still sync]
-# Selection needs the decision on the device of each selected tensor. Three cases need it on
-# the host, and the guard then syncs once (with a one-time warning where it is avoidable):
-# 1. the optimizer creates state lazily this step (its first step, or a param's first grad):
-#    on a skip that new state is dropped, so it is exactly as if the step never happened;
-# 2. the optimizer keeps non-tensor state that the step changed (custom optimizers);
-# 3. state on another device than the decision: torch's non-fused, non-capturable Adam keeps
-#    `step` on the CPU when params are on CUDA. Use fused=True or capturable=True there.
-# Case 3 never arises on CPU; cases 1-2 end at the first applied step.
 
 
 # The skip flags in priority order (the first set one is the reason).
@@ -232,8 +224,9 @@ class StepGuard:
             [torch.tensor(r == SkipReason.OK, device=dev) for r in SkipReason],
             [torch.tensor(int(r), device=dev) for r in SkipReason],
         )
-        self._snap_src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
-        self._snap: list[torch.Tensor] = []
+        self._select = (
+            None if self.host else SelectiveStep(optimizer, self.skip_mode, dev, self._warn_once)
+        )
         self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_names` order
         self._grad_names: list[str] = []
         self._warned: set[str] = set()
@@ -257,13 +250,8 @@ class StepGuard:
             ok, reason, loss32, norm_g = self._decide(loss, norm, found_inf)
             if self.max_norm is not None and grads:
                 nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
-            fresh, host_state = self._snapshot()
-        fused = self.skip_mode == "found_inf"
-        with self.sync_check() if fused else contextlib.nullcontext():
-            self._optimizer_step(ok)
-        self._undo_host_state(ok, fresh, host_state)
+        self._select.run(ok, self.sync_check)
         with self.sync_check():
-            self._restore(ok)
             if self.scaler is not None:
                 self.scaler.update()
             self._count(reason, [norm_g, loss32, scale])
@@ -411,75 +399,6 @@ class StepGuard:
         dist = torch.distributed
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.process_group)
         return vec / world
-
-    # -- apply or skip by selection -------------------------------------------------------
-    def _snapshot(self) -> tuple[list[torch.Tensor], list[tuple[dict, Any, Any]]]:
-        """Copy params and optimizer state tensors that the step may change (non-fused path)."""
-        fresh, host_state, tensors = [], [], []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue  # torch.optim leaves params without grads untouched
-                tensors.append(p)
-                state = self.optimizer.state.get(p)
-                if not state:
-                    fresh.append(p)  # state created by this step: dropped on a skip
-                    continue
-                for key, value in state.items():
-                    if torch.is_tensor(value):
-                        tensors.append(value)
-                    else:
-                        host_state.append((state, key, value))
-        if self.skip_mode == "found_inf":
-            return fresh, host_state  # the fused kernels honour found_inf themselves
-        same = len(tensors) == len(self._snap_src) and all(
-            a is b for a, b in zip(tensors, self._snap_src)
-        )
-        if not same:  # (re)allocate once; reused every step while the state tensors stay the same
-            self._snap_src, self._snap = tensors, [torch.empty_like(t) for t in tensors]
-        if tensors:
-            torch._foreach_copy_(self._snap, tensors)
-        return fresh, host_state
-
-    def _optimizer_step(self, ok: torch.Tensor) -> None:
-        if self.skip_mode == "select":
-            self.optimizer.step()
-            return
-        opt: Any = self.optimizer
-        opt.grad_scale, opt.found_inf = None, (~ok).to(torch.float32)  # the GradScaler protocol
-        try:
-            opt.step()
-        finally:
-            del opt.grad_scale, opt.found_inf
-
-    def _restore(self, ok: torch.Tensor) -> None:
-        if self.skip_mode != "select":
-            return
-        on_device: dict[torch.device, torch.Tensor] = {self.device: ok}
-        for cur, old in zip(self._snap_src, self._snap):
-            if cur.device not in on_device:
-                self._warn_once(
-                    "device",
-                    f"optimizer state on {cur.device} while params are on {self.device}: the skip "
-                    "decision is copied to the host every step (a sync); use fused=True or "
-                    "capturable=True in the optimizer to avoid it",
-                )
-                on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where select ...]
-            torch.where(on_device[cur.device], cur, old, out=cur)  # selection, NaN-safe
-
-    def _undo_host_state(self, ok: torch.Tensor, fresh: list, host_state: list) -> None:
-        state = self.optimizer.state
-        new = [p for p in fresh if any(v is not None for v in state.get(p, {}).values())]
-        changed = [(s, k, v) for s, k, v in host_state if s.get(k) is not v and s.get(k) != v]
-        if not new and not changed:
-            return
-        if changed:
-            self._warn_once("host", "optimizer keeps non-tensor state: each step syncs to undo it")
-        if not bool(ok):  # sync: see NOTE [where select / found_inf may still sync]
-            for p in new:
-                del state[p]
-            for s, k, v in changed:
-                s[k] = v
 
     @staticmethod
     def _make_count_table() -> torch.Tensor:

@@ -1,0 +1,123 @@
+"""StepGuard's device path: apply or skip one optimizer step by selection, with no sync.
+
+"found_inf" hands the decision to the fused kernels (the GradScaler protocol); "select" copies
+params and optimizer state before the step and selects old or new after it with `torch.where`
+(NaN-safe: selection, never multiply-by-0). See NOTE [skip modes] in :mod:`isotrain.guard`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["SelectiveStep"]
+
+# NOTE [where select / found_inf may still sync]
+# Selection needs the decision on the device of each selected tensor. Three cases need it on
+# the host, and the guard then syncs once (with a one-time warning where it is avoidable):
+# 1. the optimizer creates state lazily this step (its first step, or a param's first grad):
+#    on a skip that new state is dropped, so it is exactly as if the step never happened;
+# 2. the optimizer keeps non-tensor state that the step changed (custom optimizers);
+# 3. state on another device than the decision: torch's non-fused, non-capturable Adam keeps
+#    `step` on the CPU when params are on CUDA. Use fused=True or capturable=True there.
+# Case 3 never arises on CPU; cases 1-2 end at the first applied step.
+
+
+class SelectiveStep:
+    """Run `optimizer.step()` so that a device bool `ok` decides, on the device, if it counts.
+
+    Example: ``SelectiveStep(opt, "select", device, warn).run(ok, contextlib.nullcontext)``
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        mode: str,
+        device: torch.device,
+        warn: Callable[[str, str], None],
+    ) -> None:
+        self.optimizer, self.mode, self.device, self._warn = optimizer, mode, device, warn
+        self._src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
+        self._copies: list[torch.Tensor] = []
+
+    def run(
+        self, ok: torch.Tensor, sync_check: Callable[[], contextlib.AbstractContextManager[Any]]
+    ) -> None:
+        """Snapshot, step, undo host-side state on a skip, select; `sync_check` wraps the
+        phases that must not sync (the tests make any host read raise there)."""
+        with sync_check():
+            fresh, host_state = self._snapshot()
+        with sync_check() if self.mode == "found_inf" else contextlib.nullcontext():
+            self._step(ok)
+        self._undo_host_state(ok, fresh, host_state)
+        with sync_check():
+            self._restore(ok)
+
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[tuple[dict, Any, Any]]]:
+        """Copy params and optimizer state tensors that the step may change (non-fused path)."""
+        fresh, host_state, tensors = [], [], []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue  # torch.optim leaves params without grads untouched
+                tensors.append(p)
+                state = self.optimizer.state.get(p)
+                if not state:
+                    fresh.append(p)  # state created by this step: dropped on a skip
+                    continue
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        tensors.append(value)
+                    else:
+                        host_state.append((state, key, value))
+        if self.mode == "found_inf":
+            return fresh, host_state  # the fused kernels honour found_inf themselves
+        same = len(tensors) == len(self._src) and all(a is b for a, b in zip(tensors, self._src))
+        if not same:  # (re)allocate once; reused every step while the state tensors stay the same
+            self._src, self._copies = tensors, [torch.empty_like(t) for t in tensors]
+        if tensors:
+            torch._foreach_copy_(self._copies, tensors)
+        return fresh, host_state
+
+    def _step(self, ok: torch.Tensor) -> None:
+        if self.mode == "select":
+            self.optimizer.step()
+            return
+        opt: Any = self.optimizer
+        opt.grad_scale, opt.found_inf = None, (~ok).to(torch.float32)  # the GradScaler protocol
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale, opt.found_inf
+
+    def _restore(self, ok: torch.Tensor) -> None:
+        if self.mode != "select":
+            return
+        on_device: dict[torch.device, torch.Tensor] = {self.device: ok}
+        for cur, old in zip(self._src, self._copies):
+            if cur.device not in on_device:
+                self._warn(
+                    "device",
+                    f"optimizer state on {cur.device} while params are on {self.device}: the skip "
+                    "decision is copied to the host every step (a sync); use fused=True or "
+                    "capturable=True in the optimizer to avoid it",
+                )
+                on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where select ...]
+            torch.where(on_device[cur.device], cur, old, out=cur)  # selection, NaN-safe
+
+    def _undo_host_state(self, ok: torch.Tensor, fresh: list, host_state: list) -> None:
+        state = self.optimizer.state
+        new = [p for p in fresh if any(v is not None for v in state.get(p, {}).values())]
+        changed = [(s, k, v) for s, k, v in host_state if s.get(k) is not v and s.get(k) != v]
+        if not new and not changed:
+            return
+        if changed:
+            self._warn("host", "optimizer keeps non-tensor state: each step syncs to undo it")
+        if not bool(ok):  # sync: see NOTE [where select / found_inf may still sync]
+            for p in new:
+                del state[p]
+            for s, k, v in changed:
+                s[k] = v
