@@ -93,6 +93,20 @@ def safe_backward(
     return True
 
 
+def _named_trainable(
+    model: nn.Module | Iterable[torch.Tensor] | None, optimizer: torch.optim.Optimizer
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and parameters the guard watches: the model's trainable ones, else the optimizer's."""
+    if isinstance(model, nn.Module):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        params = list(model) if model is not None else _optimizer_params(optimizer)
+        named = [(f"param{i}", p) for i, p in enumerate(params)]
+    if not named:
+        raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
+    return [n for n, _ in named], [p for _, p in named]
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """One guarded step as device tensors (read-only); read them only at log steps (reading syncs).
@@ -120,19 +134,6 @@ class StepOutcome:
 # and the data index a pure function of the step number (exact resume, and no host read of the
 # skip flag, which would sync); applied-only optimizer steps mean a skip never inflates the
 # effective LR (the OLMo-core#309 bug: a skip that forgot `step` gave 2.2x LR).
-#
-# NOTE [skip modes]
-# "found_inf" (fused Adam/AdamW/SGD): the GradScaler protocol; the fused kernel skips itself.
-# "select": copy params and optimizer state tensors before the step (one _foreach_copy_ into
-#   reused buffers), run the step, then `torch.where(ok, new, old, out=new)`: any optimizer,
-#   NaN-safe (selection, not multiply-by-0), sync-free.
-# "host": read loss and norm as Python floats, decide, count and keep the spike window on the
-#   host (HostSpikeDetector), and skip `optimizer.step()` (and the clip) by branching. Free when
-#   the values live in host memory (CPU training: reading a CPU tensor waits for no device), a
-#   sync per step on accelerators; `sync_check` is not applied in this mode. Counters become
-#   tensors only in state_dict() (the same format as the device modes', so snapshots cross).
-# "auto" = host on CPU, else found_inf for fused optimizers, else select. On CPU, `torch.where`
-# runs at ~3 ns/element (not memory-bound as on GPUs), so select would cost ~2x the update.
 
 
 # The skip flags in priority order (the first set one is the reason).
@@ -191,14 +192,7 @@ class StepGuard:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm}")
         self.optimizer, self.max_norm, self.process_group = optimizer, max_norm, process_group
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        if isinstance(model, nn.Module):
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        else:
-            params = list(model) if model is not None else _optimizer_params(optimizer)
-            named = [(f"param{i}", p) for i, p in enumerate(params)]
-        if not named:
-            raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
+        self.names, self.params = _named_trainable(model, optimizer)
         dev = self.device = self.params[0].device
         self.skip_mode = self._resolve_mode(skip_mode, optimizer, dev)
         self.host = self.skip_mode == "host"
@@ -259,7 +253,7 @@ class StepGuard:
         return StepOutcome(ok, reason, norm_g, loss32, scale)
 
     def _host_step(self, loss: torch.Tensor | float) -> StepOutcome:
-        # See NOTE [skip modes]: every read below is a host read, no device sync, on CPU.
+        # NOTE [skip modes] in guard_select: on CPU every read below waits for no device.
         loss32 = self._loss32(loss)
         scale, found_inf = self._unscale()
         grads, norm = self._grad_norm()

@@ -2,7 +2,7 @@
 
 "found_inf" hands the decision to the fused kernels (the GradScaler protocol); "select" copies
 params and optimizer state before the step and selects old or new after it with `torch.where`
-(NaN-safe: selection, never multiply-by-0). See NOTE [skip modes] in :mod:`isotrain.guard`.
+(NaN-safe: selection, never multiply-by-0). StepGuard picks the mode: NOTE [skip modes].
 """
 
 from __future__ import annotations
@@ -15,6 +15,19 @@ import torch
 
 __all__ = ["SelectiveStep"]
 
+# NOTE [skip modes]
+# "found_inf" (fused Adam/AdamW/SGD): the GradScaler protocol; the fused kernel skips itself.
+# "select": copy params and optimizer state tensors before the step (one _foreach_copy_ into
+#   reused buffers), run the step, then `torch.where(ok, new, old, out=new)`: any optimizer,
+#   NaN-safe (selection, not multiply-by-0), sync-free.
+# "host": read loss and norm as Python floats, decide, count and keep the spike window on the
+#   host (HostSpikeDetector), and skip `optimizer.step()` (and the clip) by branching. Free when
+#   the values live in host memory (CPU training: reading a CPU tensor waits for no device), a
+#   sync per step on accelerators; `sync_check` is not applied in this mode. Counters become
+#   tensors only in state_dict() (the same format as the device modes', so snapshots cross).
+# "auto" = host on CPU, else found_inf for fused optimizers, else select. On CPU, `torch.where`
+# runs at ~3 ns/element (not memory-bound as on GPUs), so select would cost ~2x the update.
+#
 # NOTE [where select / found_inf may still sync]
 # Selection needs the decision on the device of each selected tensor. Three cases need it on
 # the host, and the guard then syncs once (with a one-time warning where it is avoidable):
