@@ -19,11 +19,11 @@ def _safetensors():
     return st
 
 
-def export_safetensors(model: GPT, model_cfg: ModelConfig, out: str | Path) -> Path:
-    """Write `model`'s weights and its ModelConfig (as metadata) to `out`."""
+def export_safetensors(model: GPT, out: str | Path) -> Path:
+    """Write `model`'s weights and its config (as metadata) to `out`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"isotrain_model_config": json.dumps(model_cfg.__dict__)}
+    meta = {"isotrain_model_config": json.dumps(model.cfg.__dict__)}
     _safetensors().save_model(model, str(out), metadata=meta)  # drops the tied duplicate
     return out
 
@@ -46,9 +46,8 @@ def load_safetensors(path: str | Path) -> GPT:
 
 def export_run(run_dir: str, out: str | Path, *, which: str = "latest") -> tuple[Path, Path]:
     """Export the weights of a run's snapshot; returns the file and the snapshot it came from."""
-    from isotrain.train.loop import load_model
+    from isotrain.train.loop import model_from_snapshot
     from isotrain.train.snapshot import load_snapshot
 
     payload, snap = load_snapshot(run_dir, which=which)
-    cfg = ModelConfig(**payload["config"]["model"])
-    return export_safetensors(load_model(run_dir, which=which), cfg, out), snap
+    return export_safetensors(model_from_snapshot(payload, snap), out), snap

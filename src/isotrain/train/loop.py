@@ -48,6 +48,7 @@ __all__ = [
     "build_model",
     "evaluate",
     "load_model",
+    "model_from_snapshot",
     "sample",
     "setup",
     "train",
@@ -230,7 +231,11 @@ def load_model(source: str, *, which: str = "latest") -> GPT:
         from isotrain.train.export import load_safetensors
 
         return load_safetensors(source)
-    payload, path = load_snapshot(source, which=which)
+    return model_from_snapshot(*load_snapshot(source, which=which))
+
+
+def model_from_snapshot(payload: dict[str, Any], path: Path) -> GPT:
+    """The GPT a loaded snapshot describes, with its weights (on the CPU)."""
     model = build_model(TrainConfig(model=ModelConfig(**payload["config"]["model"])))
     if payload.get("sharded"):  # an FSDP run: gather every rank's shards into one model
         return load_full_model(path, model)
