@@ -25,7 +25,7 @@ def _params_after(cfg: C.TrainConfig, steps: int) -> dict[str, torch.Tensor]:
 
 def test_activation_checkpointing_leaves_training_bit_identical(tmp_path) -> None:
     plain = _params_after(_cfg(tmp_path), 3)
-    for policy in ("full", "every:2", "selective"):
+    for policy in ("full", "every:2", "selective", "budget:50%"):
         ckpt = _params_after(_cfg(tmp_path, checkpointing=C.CheckpointingConfig(policy=policy)), 3)
         assert plain.keys() == ckpt.keys()
         for name in plain:
@@ -70,3 +70,15 @@ def test_without_the_guard_an_injected_nan_reaches_the_weights(tmp_path) -> None
             train_step(run)
         finite = all(torch.isfinite(p).all() for p in run.model.parameters())
         assert finite is enabled
+
+
+def test_quantized_activations_train_and_differ_from_weights_only(tmp_path) -> None:
+    weights = setup(_cfg(tmp_path, quant=C.QuantConfig(bits=4)))
+    both = setup(_cfg(tmp_path, quant=C.QuantConfig(bits=4, activations=True)))
+    assert (
+        both.model.blocks[0].mlp.fc.activations and not weights.model.blocks[0].mlp.fc.activations
+    )
+    for run in (weights, both):
+        train_step(run)
+        assert all(torch.isfinite(p).all() for p in run.model.parameters())
+    assert not torch.equal(weights.model.wte.weight, both.model.wte.weight)
