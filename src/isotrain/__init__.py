@@ -3,6 +3,7 @@
 Each pattern lives in its own module and imports only torch and the standard library:
 
 - `isotrain.autograd`: straight-through estimators and compile-safe custom ops
+  (`isotrain.autograd_linear`: bf16 linear layers at full speed on AVX2 CPUs)
 - `isotrain.checkpointing`: activation checkpointing by policy, with measured memory
 - `isotrain.guard`: a sync-free guard that keeps NaN/Inf and spikes out of the weights
 - `isotrain.compile`: per-block torch.compile, length buckets, recompile accounting
@@ -20,6 +21,12 @@ from isotrain.autograd import (
     quantize,
     round_ste,
     sign_ste,
+)
+from isotrain.autograd_linear import (
+    Bf16Linear,
+    bf16_linear,
+    bf16_linear_layers,
+    native_bf16_matmul,
 )
 from isotrain.autograd_ops import QuantLinear, fused_fake_quantize, quantize_linear_layers
 from isotrain.checkpointing import (
@@ -74,6 +81,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ACPolicy",
     "AutocastInfo",
+    "Bf16Linear",
     "BucketBatchSampler",
     "CheckpointedTransformerBlock",
     "CompileStats",
@@ -95,6 +103,8 @@ __all__ = [
     "apply_activation_checkpointing",
     "assert_isolated",
     "autocast_if_available",
+    "bf16_linear",
+    "bf16_linear_layers",
     "bucket_for",
     "compile_available",
     "compile_counters",
@@ -109,6 +119,7 @@ __all__ = [
     "load_failure_case",
     "lsq_quantize",
     "measure_activation_memory",
+    "native_bf16_matmul",
     "no_recompiles",
     "nonfinite_grads",
     "pad_to_bucket",

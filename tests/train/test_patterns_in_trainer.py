@@ -2,8 +2,10 @@
 
 import dataclasses
 
+import pytest
 import torch
 
+from isotrain import autograd_linear
 from isotrain.train import config as C
 from isotrain.train.loop import setup, train, train_step
 from isotrain.train.report import read_metrics
@@ -82,3 +84,16 @@ def test_quantized_activations_train_and_differ_from_weights_only(tmp_path) -> N
         train_step(run)
         assert all(torch.isfinite(p).all() for p in run.model.parameters())
     assert not torch.equal(weights.model.wte.weight, both.model.wte.weight)
+
+
+def test_cpu_bf16_uses_layout_linears_with_the_same_losses(tmp_path, monkeypatch) -> None:
+    losses, kinds = {}, {}
+    for native in (True, False):
+        monkeypatch.setattr(autograd_linear, "native_bf16_matmul", lambda native=native: native)
+        torch.manual_seed(0)
+        run = setup(_cfg(tmp_path / str(native), precision="bf16"))
+        kinds[native] = type(run.model.blocks[0].mlp.fc).__name__
+        losses[native] = [float(train_step(run).loss) for _ in range(3)]
+    assert kinds == {True: "Linear", False: "Bf16Linear"}
+    assert losses[False] == pytest.approx(losses[True], rel=1e-2)
+    assert type(setup(_cfg(tmp_path / "fp32")).model.lm_head).__name__ == "Linear"

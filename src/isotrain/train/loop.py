@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain.autograd_linear import bf16_linear_layers
 from isotrain.autograd_ops import quantize_linear_layers
 from isotrain.buckets import default_buckets
 from isotrain.checkpointing import apply_activation_checkpointing
@@ -122,7 +123,7 @@ def setup(cfg: TrainConfig) -> Run:
 def prepare_model(
     cfg: TrainConfig, model: GPT, info: DistInfo, *, example: tuple[torch.Tensor, ...]
 ) -> nn.Module:
-    """Quantization-aware layers, activation checkpointing, per-block compile, then DDP/FSDP.
+    """QAT or CPU-bf16 layers, activation checkpointing, per-block compile, then DDP/FSDP.
 
     Each step changes `model` in place (state-dict keys stay clean); only the last one wraps.
     """
@@ -130,6 +131,8 @@ def prepare_model(
         quantize_linear_layers(
             model, bits=cfg.quant.bits, activations=cfg.quant.activations, exclude=["lm_head"]
         )
+    if cfg.precision == "bf16" and info.device.type == "cpu":
+        bf16_linear_layers(model)  # fast operand layouts where the CPU lacks native bf16
     apply_activation_checkpointing(
         model, policy=cfg.checkpointing.policy, modules=(Block,), example_inputs=example
     )

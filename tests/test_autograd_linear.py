@@ -1,0 +1,127 @@
+"""The layout-aware bf16 linear: exact gradients, bf16 values, saved bytes, conversion, compile."""
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from isotrain import autograd_linear
+from isotrain.autograd_linear import (
+    Bf16Linear,
+    _LayoutLinear,
+    bf16_linear,
+    bf16_linear_layers,
+    native_bf16_matmul,
+)
+from isotrain.autograd_ops import QuantLinear, quantize_linear_layers
+
+
+def _inputs(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.randn(12, shape[-1], generator=g, dtype=dtype, requires_grad=True)
+    b = torch.randn(12, generator=g, dtype=dtype, requires_grad=True)
+    return x, w, b
+
+
+def _bf16(fn, x: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+    """Output and input gradients of fn(x, w, b) under CPU bf16 autocast."""
+    for t in (x, w, b):
+        if t is not None:
+            t.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fn(x, w, b)
+    y.float().pow(2).sum().backward()
+    return y, [t.grad for t in (x, w, b) if t is not None]
+
+
+@pytest.mark.parametrize("shape", [(5, 8), (3, 4, 8), (8,)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_layout_products_have_exact_gradients(shape: tuple[int, ...], with_bias: bool) -> None:
+    # In float64 the layout Function is exact arithmetic, so gradcheck checks every transpose.
+    x, w, b = _inputs(*shape, dtype=torch.float64)
+    fn = lambda x, w, b: _LayoutLinear.apply(x, w, b, torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, w, b if with_bias else None))
+    assert torch.allclose(fn(x, w, b), F.linear(x, w, b), rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_values_and_gradients_match_autocast_linear() -> None:
+    x, w, b = _inputs(4, 16, 64)
+    ref_y, ref_g = _bf16(F.linear, x, w, b)
+    y, grads = _bf16(bf16_linear, x, w, b)
+    assert y.dtype == torch.bfloat16 and y.shape == ref_y.shape
+    exact = F.linear(*(t.detach().bfloat16().double() for t in (x, w, b)))
+    # Both multiply the bf16-rounded inputs with fp32 accumulation and round once to bf16.
+    for out in (y, ref_y):
+        assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-6)
+    for got, ref, param in zip(grads, ref_g, (x, w, b)):
+        assert got.dtype == param.dtype == torch.float32  # gradients keep the parameter dtype
+        assert torch.allclose(got, ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+def test_outside_bf16_it_is_f_linear_bit_for_bit() -> None:
+    x, w, b = _inputs(3, 5, 8)
+    assert torch.equal(bf16_linear(x, w, b), F.linear(x, w, b))
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert torch.equal(bf16_linear(x, w, b), F.linear(x, w, b))
+    xb, wb = x.detach().bfloat16(), w.detach().bfloat16()
+    # A bf16 model without autocast takes the layout path too, with the same values.
+    assert torch.allclose(bf16_linear(xb, wb).float(), F.linear(xb, wb).float(), rtol=2**-7)
+
+
+def test_saves_only_the_bf16_input_besides_the_parameter() -> None:
+    x, w, b = _inputs(6, 32)
+    params = {w.data_ptr(), b.data_ptr()}
+    saved: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t)
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16_linear(x, w, b)
+    extra = [t for t in saved if t.data_ptr() not in params]
+    assert sum(t.numel() * t.element_size() for t in extra) == 6 * 32 * 2  # x in bf16, once
+
+
+def test_conversion_keeps_keys_ties_and_quantized_layers() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 8))
+    model[3].weight = model[2].weight  # tied
+    quantize_linear_layers(model, bits=8, exclude=["0", "2"])
+    keys = list(model.state_dict())
+    bf16_linear_layers(model, force=True)
+    assert [type(m) for m in model] == [Bf16Linear, nn.ReLU, Bf16Linear, QuantLinear]
+    assert list(model.state_dict()) == keys
+    assert model[3].weight is model[2].weight
+
+
+def test_conversion_is_a_no_op_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(autograd_linear, "native_bf16_matmul", lambda: True)
+    model = bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)))
+    assert type(model[0]) is nn.Linear
+    assert isinstance(native_bf16_matmul(), bool)
+
+
+def test_bf16_linear_layer_compiles_to_one_graph() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    layer = Bf16Linear(16, 12)
+    x = torch.randn(2, 3, 16)
+
+    def step(x: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return layer(x)
+
+    cnt = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, backend=cnt, fullgraph=True)
+    y = compiled(x)
+    y.float().sum().backward()
+    grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    step(x).float().sum().backward()
+    assert cnt.frame_count == 1 and not counters["graph_break"]
+    assert torch.equal(y, step(x)) and torch.equal(grad, layer.weight.grad)
