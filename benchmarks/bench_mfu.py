@@ -1,14 +1,18 @@
 """Model FLOPs utilisation: achieved model FLOP/s of a training step against the measured peak.
 
-Peak: the best FLOP/s of large square matmuls (torch.mm and F.linear, which take different
-kernels on the CPU) in fp32 and bf16, on the same threads and clock as the steps. Model FLOPs
-per step: torch.utils.flop_counter.FlopCounterMode over one full step (forward + backward;
-matmuls and attention, as MFU counts them). MFU = FLOPs per step / seconds per step / peak,
-for the plain loop and the isotrain step (bench_trainer's variants), fp32 and bf16 autocast,
-on the `small` preset's model (6 layers, d 384, T 256). Rounds interleave the two variants.
+Peak: the best FLOP/s of large square matmuls (torch.mm with each operand storage order, and
+F.linear: on the CPU they take different kernels) in fp32 and bf16, on the same threads and
+clock as the steps. Model FLOPs per step: torch.utils.flop_counter.FlopCounterMode over one
+full step (forward + backward; matmuls and attention, as MFU counts them). MFU = FLOPs per
+step / seconds per step / peak, for the plain loop and the isotrain step (bench_trainer's
+variants), fp32 and bf16 autocast, on the `small` preset's model (6 layers, d 384, T 256).
+Rounds interleave the two variants.
 
-On CPUs without native bf16 (AVX2 only, e.g. AMD Zen 3) bf16 matmuls are emulated and ~10-50x
-slower than fp32, so the default batch is 2 (not the preset's 16) to keep a bf16 step near 10 s.
+On CPUs without native bf16 (AVX2 only, e.g. AMD Zen 3) PyTorch multiplies bf16 in a portable
+kernel whose speed depends on the operands' storage order (see the peak table): the plain
+loop's nn.Linear gets the slow orders, isotrain's trainer converts its layers to
+isotrain.Bf16Linear, which takes the fast one. The default batch is 2 (not the preset's 16)
+to keep a plain bf16 step near 10 s.
 
     .venv/bin/python benchmarks/bench_mfu.py          # ~3-4 minutes on 2 shared cores
     .venv/bin/python benchmarks/bench_mfu.py --quick  # seconds, a smoke run
@@ -67,7 +71,10 @@ def _timed(fn: Any, device: torch.device, clock: str) -> float:
 def matmul_peak(
     precision: str, *, device: str = "cpu", sizes: tuple[int, ...], reps: int, clock: str
 ) -> dict[str, Any]:
-    """Best FLOP/s over square torch.mm and F.linear at each size (the fastest run of `reps`)."""
+    """Best FLOP/s over square mm (each operand storage order) and F.linear at each size.
+
+    Each op's figure is the fastest of `reps` runs; the peak is the best of them all.
+    """
     dev, dtype = torch.device(device), DTYPE[precision]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
@@ -75,7 +82,14 @@ def matmul_peak(
         a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
         b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
         bias = torch.zeros(n, device=dev, dtype=dtype)
-        ops = {"mm": (torch.mm, (a, b)), "linear": (F.linear, (a, b, bias))}
+        a_col, b_col = a.t().contiguous().t(), b.t().contiguous().t()  # column-major storage
+        ops = {
+            "mm": (torch.mm, (a, b)),
+            "mm A col-major": (torch.mm, (a_col, b)),
+            "mm B col-major": (torch.mm, (a, b_col)),
+            "mm both col-major": (torch.mm, (a_col, b_col)),
+            "linear": (F.linear, (a, b, bias)),
+        }
         for op, (f, inputs) in ops.items():
             fn = functools.partial(f, *inputs)
             fn()  # warm-up: kernel selection, packing
@@ -214,7 +228,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=SMALL.d_model)
     p.add_argument("--block", type=int, default=SMALL.block_size)
     p.add_argument("--batch", type=int, default=2, help="the preset's is 16; see the docstring")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="peak matmul n")
     p.add_argument("--bf16-sizes", type=int, nargs="+", default=[512, 1024], help="CPU bf16 n")
