@@ -191,6 +191,28 @@ def test_counters_reasons_and_nonfinite_grad_names():
     assert s["last_loss"] == last_loss
 
 
+def test_nonfinite_grad_names_skip_params_without_a_gradient():
+    model = make_model()
+    model[0].weight.requires_grad_(False)  # frozen: no .grad, so norms index past it
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, spike_k=None)
+    loss_of(model, 0).backward()
+    model[2].bias.grad[1] = float("nan")
+    model[0].bias.grad = None  # trainable but unused this step
+    guard.step(torch.tensor(1.0))
+    assert guard.nonfinite_grad_names() == ["2.bias"]
+
+
+def test_host_push_equals_update_for_float32_values():
+    pushed, updated = (HostSpikeDetector(n_series=2, k=3.0, window=4, min_samples=2) for _ in "ab")
+    for v in torch.tensor([[1.0, 0.3], [1.5, 0.2], [0.7, 0.9], [1.1, 0.1], [2.0, 0.5]]).tolist():
+        pushed.push(v)
+        updated.update(v, accept=True)
+        assert pushed._limits == updated._limits
+        assert pushed.is_spike([3.5, 0.6]) == updated.is_spike([3.5, 0.6])
+    assert pushed.is_spike([3.5, 0.6]) == [True, False]  # limits 2.99 and 1.50 (window of 4)
+    assert_same(pushed.state_dict(), updated.state_dict())
+
+
 def test_spike_detector_matches_mean_plus_k_std_over_the_last_window():
     det = SpikeDetector(n_series=1, k=3.0, window=8, min_samples=4)
     accepted: list[float] = []

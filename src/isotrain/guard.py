@@ -3,25 +3,30 @@
 ``safe_backward`` is the seed's simple API (it syncs: it returns a Python bool). ``StepGuard``
 is the guarded step for real loops: finiteness and spikes are decided on the device and the
 update is applied or skipped by *selection* (:mod:`isotrain.guard_select`), with no
-host-device synchronization. The spike window is in :mod:`isotrain.guard_spikes`; provenance,
+host-device synchronization. Skip reasons and the outcome record are in
+:mod:`isotrain.guard_outcome`, the spike window in :mod:`isotrain.guard_spikes`; provenance,
 rollback and fault injection in :mod:`isotrain.guard_recovery`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
-import math
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from isotrain.guard_outcome import (
+    _FLAG_CODES,
+    SkipReason,
+    StepOutcome,
+    _clip_is_one,
+    _host_reason,
+)
 from isotrain.guard_select import SelectiveStep
 from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
 
@@ -37,20 +42,6 @@ log = logging.getLogger(__name__)
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-class SkipReason(enum.IntEnum):
-    """Why a guarded step was skipped (``OK``: it was applied).
-
-    Example: ``SkipReason(int(outcome.reason)).name  # "NONFINITE_LOSS"``
-    """
-
-    OK = 0
-    NONFINITE_LOSS = 1
-    NONFINITE_GRAD = 2
-    LOSS_SPIKE = 3
-    GRAD_SPIKE = 4
-    SCALER_OVERFLOW = 5
 
 
 def safe_backward(
@@ -107,25 +98,11 @@ def _named_trainable(
     return [n for n, _ in named], [p for _, p in named]
 
 
-@dataclass(frozen=True)
-class StepOutcome:
-    """One guarded step as device tensors (read-only); read them only at log steps (reading syncs).
-
-    Example: ``outcome = guard.step(loss.detach()); if log_step: print(outcome.to_dict())``
-    """
-
-    applied: torch.Tensor  # () bool
-    reason: torch.Tensor  # () int64, a SkipReason value
-    grad_norm: torch.Tensor  # () float32, before clipping (rank-averaged when distributed)
-    loss: torch.Tensor  # () float32 (rank-averaged when distributed)
-    loss_scale: torch.Tensor  # () float32, the GradScaler scale this step used (1.0 without)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Host values for a log line."""
-        fields = [self.applied, self.reason, self.grad_norm, self.loss, self.loss_scale]
-        a, r, g, loss, s = torch.stack([f.double() for f in fields]).tolist()  # sync: log step
-        return {"applied": bool(a), "reason": SkipReason(int(r)).name, "grad_norm": g,
-                "loss": loss, "loss_scale": s}  # fmt: skip
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` as float32 on ``device``; dispatches nothing when it already is (saves per step)."""
+    if t.dtype != torch.float32 or t.device != device:
+        return t.to(device=device, dtype=torch.float32)
+    return t
 
 
 # NOTE [what the guard counts]
@@ -134,29 +111,6 @@ class StepOutcome:
 # and the data index a pure function of the step number (exact resume, and no host read of the
 # skip flag, which would sync); applied-only optimizer steps mean a skip never inflates the
 # effective LR (the OLMo-core#309 bug: a skip that forgot `step` gave 2.2x LR).
-
-
-# The skip flags in priority order (the first set one is the reason).
-_FLAG_CODES = (SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
-               SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE)  # fmt: skip
-_FLAG_CODES = tuple(int(c) for c in _FLAG_CODES)
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` as float32 on ``device``; dispatches nothing when it already is (saves per step)."""
-    if t.dtype != torch.float32 or t.device != device:
-        return t.to(device=device, dtype=torch.float32)
-    return t
-
-
-def _clip_is_one(max_norm: float, norm: torch.Tensor, norm_f: float) -> bool:
-    """Whether clip_grads_with_norm_ would multiply by exactly 1.0 (skipping it is bitwise equal).
-
-    It multiplies by min(1, max_norm / (norm + 1e-6)) in the norm's dtype; in float32/64 a norm
-    this far below max_norm gives a factor > 1 despite rounding (~1e-7), clamped to 1.0.
-    """
-    wide = norm.dtype in (torch.float32, torch.float64)
-    return wide and norm_f + 1e-6 <= max_norm * (1 - 1e-5)
 
 
 class StepGuard:
@@ -205,6 +159,7 @@ class StepGuard:
                 else SpikeDetector(**kw, min_samples=spike_min_samples, device=dev)
             )
         self.steps = 0  # attempted steps (a host int: it advances every call)
+        self._world_size: int | None = None
         # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
         # Python numbers in host mode, one device buffer each otherwise.
         self._counts: Any = [0] * (len(SkipReason) + 2)
@@ -221,8 +176,9 @@ class StepGuard:
         self._select = (
             None if self.host else SelectiveStep(optimizer, self.skip_mode, dev, self._warn_once)
         )
-        self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_names` order
-        self._grad_names: list[str] = []
+        self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_order` order
+        # (present, order): norm j belongs to names[present[order[j]]]; resolved when read
+        self._grad_order: tuple[list[int], list[int]] = ([], [])
         self._warned: set[str] = set()
         # Tests set this to guard_recovery.forbid_host_sync; it wraps the sync-free phases.
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
@@ -268,12 +224,10 @@ class StepGuard:
         else:
             lf, nf = loss32.item(), norm_g.item()  # sync: host mode
             of = found_inf.item() if found_inf is not None else 0.0  # sync: host mode
-        flags = self.spikes.is_spike([lf, nf]) if self.spikes is not None else [False, False]
-        flags = [not math.isfinite(lf), of > 0, not math.isfinite(nf), *flags]
-        reason = next((code for code, f in zip(_FLAG_CODES, flags) if f), 0)  # first wins
+        reason = _host_reason(lf, of, nf, self.spikes)  # type: ignore[arg-type]
         ok = reason == 0
-        if self.spikes is not None:
-            self.spikes.update([lf, nf], ok)  # type: ignore[arg-type]
+        if ok and self.spikes is not None:
+            self.spikes.push([lf, nf])  # type: ignore[union-attr]  # float32 values, finite
         if ok:
             if self.max_norm is not None and grads and not _clip_is_one(self.max_norm, norm, nf):
                 nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
@@ -322,11 +276,14 @@ class StepGuard:
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         # Same grouping and reduction order as nn.utils.get_total_norm (so clipping is bitwise the
         # same as clip_grad_norm_), keeping the per-tensor norms for `nonfinite_grad_names`.
-        named = [(n, p.grad) for n, p in zip(self.names, self.params) if p.grad is not None]
-        grads = [g for _, g in named]
+        grads = [p.grad for p in self.params]
+        index = list(range(len(grads)))
+        if any(g is None for g in grads):
+            index = [i for i, g in zip(index, grads) if g is not None]
+            grads = [grads[i] for i in index]  # type: ignore[misc]
         if not grads:
-            self._grad_per, self._grad_names = None, []
-            return grads, torch.zeros((), device=self.device)
+            self._grad_per, self._grad_order = None, ([], [])
+            return grads, torch.zeros((), device=self.device)  # type: ignore[return-value]
         norms, order = [], []
         groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
         for (device, _), ([dev_grads], idx) in groups.items():
@@ -335,11 +292,13 @@ class StepGuard:
             else:
                 norms.extend(torch.linalg.vector_norm(g, 2.0) for g in dev_grads)
             order.extend(idx)
-        per = torch.stack([n.to(grads[0].device) for n in norms])
+        if len(groups) > 1:  # one group (the usual case) is on one device already
+            norms = [n.to(grads[0].device) for n in norms]
+        per = torch.stack(norms)
         if hasattr(per, "full_tensor"):  # FSDP2 DTensor grads: reduce the per-shard norms
             per = per.full_tensor()
-        self._grad_per, self._grad_names = per, [named[i][0] for i in order]
-        return grads, torch.linalg.vector_norm(per, 2.0)
+        self._grad_per, self._grad_order = per, (index, order)
+        return grads, torch.linalg.vector_norm(per, 2.0)  # type: ignore[return-value]
 
     def _loss32(self, loss: torch.Tensor | float) -> torch.Tensor:
         """The loss as a fresh () float32 tensor on the guard's device (step runs under no_grad)."""
@@ -381,10 +340,12 @@ class StepGuard:
             t.copy_(overflow)
 
     def _world(self) -> int:
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
+        """The process group's size, read at the first step (the group exists by then)."""
+        if self._world_size is None:
+            dist = torch.distributed
+            initialized = dist.is_available() and dist.is_initialized()
+            self._world_size = dist.get_world_size(self.process_group) if initialized else 1
+        return self._world_size
 
     def _all_reduce_mean(self, vec: torch.Tensor) -> torch.Tensor:
         world = self._world()
@@ -457,7 +418,8 @@ class StepGuard:
         if self._grad_per is None:
             return []
         finite = self._grad_per.isfinite().tolist()  # sync: called after a skip, at a log step
-        return [n for n, f in zip(self._grad_names, finite) if not f]
+        present, order = self._grad_order
+        return [self.names[present[j]] for j, f in zip(order, finite) if not f]
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and spike window as plain tensors/ints (loadable with weights_only=True).

@@ -181,13 +181,16 @@ def batch(
 def train_step(run: Run) -> Any:
     """One optimizer step over `grad_accum` micro-batches; returns the device-side outcome."""
     cfg, st = run.cfg, run.state
-    loss_sum = torch.zeros((), device=run.dist.device)
+    loss_sum: torch.Tensor | None = None
     for micro in range(cfg.grad_accum):
         x, y, n = batch(run, "train", st.step, micro)
         last = micro == cfg.grad_accum - 1
         with no_grad_sync(run.train_model, sync=last), _autocast(run):
-            loss = run.train_model(x, y) / cfg.grad_accum
-        loss_sum += run.updater.backward(loss, st.step).detach()
+            loss = run.train_model(x, y)
+        if cfg.grad_accum > 1:  # one micro-batch: no extra ops on the step's fixed cost
+            loss = loss / cfg.grad_accum
+        used = run.updater.backward(loss, st.step)
+        loss_sum = used if loss_sum is None else loss_sum.detach() + used.detach()
         st.tokens_seen += n * run.dist.world_size
     set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
     outcome = run.updater.step(loss_sum, st.step)

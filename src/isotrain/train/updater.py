@@ -70,7 +70,7 @@ class PlainUpdater:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "grad_norm": norm}
+        return {"loss": loss.detach(), "grad_norm": norm}
 
     def read(self, outcome: dict[str, torch.Tensor]) -> dict[str, Any]:
         # mean over ranks (all ranks log at the same steps); an FSDP DTensor gives its full value

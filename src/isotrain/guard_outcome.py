@@ -1,0 +1,86 @@
+"""What a guarded step decides and reports: skip reasons, the outcome record, the host decision.
+
+Shared by :class:`isotrain.guard.StepGuard`'s device and host paths (and re-exported by
+:mod:`isotrain.guard`). Imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from isotrain.guard_spikes import HostSpikeDetector
+
+__all__ = ["SkipReason", "StepOutcome"]
+
+
+class SkipReason(enum.IntEnum):
+    """Why a guarded step was skipped (``OK``: it was applied).
+
+    Example: ``SkipReason(int(outcome.reason)).name  # "NONFINITE_LOSS"``
+    """
+
+    OK = 0
+    NONFINITE_LOSS = 1
+    NONFINITE_GRAD = 2
+    LOSS_SPIKE = 3
+    GRAD_SPIKE = 4
+    SCALER_OVERFLOW = 5
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One guarded step as device tensors (read-only); read them only at log steps (reading syncs).
+
+    Example: ``outcome = guard.step(loss.detach()); if log_step: print(outcome.to_dict())``
+    """
+
+    applied: torch.Tensor  # () bool
+    reason: torch.Tensor  # () int64, a SkipReason value
+    grad_norm: torch.Tensor  # () float32, before clipping (rank-averaged when distributed)
+    loss: torch.Tensor  # () float32 (rank-averaged when distributed)
+    loss_scale: torch.Tensor  # () float32, the GradScaler scale this step used (1.0 without)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Host values for a log line."""
+        fields = [self.applied, self.reason, self.grad_norm, self.loss, self.loss_scale]
+        a, r, g, loss, s = torch.stack([f.double() for f in fields]).tolist()  # sync: log step
+        return {"applied": bool(a), "reason": SkipReason(int(r)).name, "grad_norm": g,
+                "loss": loss, "loss_scale": s}  # fmt: skip
+
+
+# The skip flags in priority order (the first set one is the reason).
+_FLAG_CODES = (SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
+               SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE)  # fmt: skip
+_FLAG_CODES = tuple(int(c) for c in _FLAG_CODES)
+
+
+def _host_reason(
+    loss: float, overflow: float, norm: float, spikes: HostSpikeDetector | None
+) -> int:
+    """The first of `_FLAG_CODES` that holds for host values (0: apply); no list per step."""
+    c_loss, c_overflow, c_grad, c_loss_spike, c_grad_spike = _FLAG_CODES
+    if not math.isfinite(loss):
+        return c_loss
+    if overflow > 0:
+        return c_overflow
+    if not math.isfinite(norm):
+        return c_grad
+    if spikes is not None:
+        loss_spike, grad_spike = spikes.is_spike([loss, norm])
+        return c_loss_spike if loss_spike else c_grad_spike if grad_spike else 0
+    return 0
+
+
+def _clip_is_one(max_norm: float, norm: torch.Tensor, norm_f: float) -> bool:
+    """Whether clip_grads_with_norm_ would multiply by exactly 1.0 (skipping it is bitwise equal).
+
+    It multiplies by min(1, max_norm / (norm + 1e-6)) in the norm's dtype; in float32/64 a norm
+    this far below max_norm gives a factor > 1 despite rounding (~1e-7), clamped to 1.0.
+    """
+    wide = norm.dtype in (torch.float32, torch.float64)
+    return wide and norm_f + 1e-6 <= max_norm * (1 - 1e-5)
