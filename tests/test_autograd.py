@@ -404,6 +404,19 @@ def test_quant_linear_compiles_and_exclude() -> None:
     _assert_one_graph(cnt)
 
 
+def test_quantize_linear_layers_again_changes_the_bit_width() -> None:
+    model = quantize_linear_layers(_TiedLM(), bits=8, exclude=["head"])
+    x = torch.randint(0, 11, (2, 5), generator=_gen())
+    at8 = model(x)
+    quantize_linear_layers(model, bits=3, activations=True, exclude=["head"])
+    assert (model.fc.bits, model.fc.activations) == (3, True)
+    assert type(model.head) is nn.Linear  # still excluded
+    assert not torch.equal(model(x), at8)
+    assert torch.equal(quantize_linear_layers(model, bits=8, exclude=["head"])(x), at8)
+    quantize_linear_layers(model, bits=8, exclude=["fc"])
+    assert (type(model.fc), type(model.head)) == (nn.Linear, QuantLinear)
+
+
 def test_quantize_linear_layers_validates_before_converting() -> None:
     model = _TiedLM()
     with pytest.raises(ValueError, match="QuantLinear needs bits >= 2"):

@@ -186,8 +186,8 @@ class QuantLinear(nn.Linear):
 # mechanism torch.nn.utils.parametrize uses) instead of building new modules. The module
 # object stays the same, so its Parameters, tied weights (a GPT LM head sharing the token
 # embedding), hooks, an optimizer's param groups and state-dict keys all stay valid, and a
-# snapshot loads into the unquantized model. Only exact nn.Linear instances are converted:
-# subclasses may not use `forward` (nn.MultiheadAttention's out_proj does not).
+# snapshot loads into the unquantized model. Only exact nn.Linear and QuantLinear instances
+# change: subclasses may not use `forward` (nn.MultiheadAttention's out_proj does not).
 # Convert before activation checkpointing and compile.
 
 
@@ -201,14 +201,20 @@ def quantize_linear_layers(
 ) -> nn.Module:
     """Turn every ``nn.Linear`` of ``model`` into ``QuantLinear`` in place; return ``model``.
 
-    ``exclude`` holds fnmatch patterns of module names to keep in full precision. Example::
+    ``exclude`` holds fnmatch patterns of module names to keep in full precision. A second call
+    reconfigures: afterwards exactly the non-excluded linear layers are ``QuantLinear`` with the
+    new options (an excluded ``QuantLinear`` becomes ``nn.Linear`` again). Example::
 
         quantize_linear_layers(gpt, bits=8, exclude=["lm_head"])
     """
     _check_qat(bits, gradient)  # validate before touching any layer
     patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude)
     for name, module in model.named_modules():  # shared modules are visited once
-        if type(module) is nn.Linear and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+        if type(module) not in (nn.Linear, QuantLinear):
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            module.__class__ = nn.Linear  # excluded now: back to full precision
+        else:
             module.__class__ = QuantLinear
             module.configure(bits=bits, activations=activations, gradient=gradient)
     return model
