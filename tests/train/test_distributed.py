@@ -42,6 +42,7 @@ from isotrain.train.parallel import (
     process_group_scope,
     wrap_model,
 )
+from isotrain.train.snapshot import load_snapshot
 
 WORLD = 2
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -210,11 +211,13 @@ def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, t
             plain = load_full_model(snap, _model(seed=2))
             for (n, p), q in zip(model.named_parameters(), plain.parameters()):
                 assert torch.equal(p.full_tensor(), q), n
+            newer = save_sharded(tmp_path, model, opt, {"world_size": 1}, step=2)
     finally:
         torch._dynamo.reset()
-    (snap / "shards" / "__0_0.distcp").write_bytes(b"truncated")
+    (newer / "shards" / "__0_0.distcp").write_bytes(b"truncated")
     with pytest.raises(Exception, match="shard files missing or truncated"):
-        load_full_model(snap, _model())
+        load_full_model(newer, _model())
+    assert load_snapshot(tmp_path)[1] == snap  # a damaged shard falls back to the older one
 
 
 def test_resume_layout_refusals_name_both_world_sizes() -> None:

@@ -29,13 +29,14 @@ from torch import nn
 from isotrain.train.config import ConfigError
 from isotrain.train.snapshot import (
     FORMAT_VERSION,
-    SnapshotError,
+    SHARDS,
     _fsync_dir,
     _meta,
     _prune,
     _read_pointer,
     _sha256,
     _write_atomic,
+    check_shard_files,
 )
 
 __all__ = [
@@ -48,8 +49,6 @@ __all__ = [
     "rank_rng_state",
     "save_sharded",
 ]
-
-SHARDS = "shards"  # the DCP directory inside a snapshot
 
 
 def _world() -> tuple[int, int]:
@@ -185,29 +184,12 @@ def _publish(
     _prune(root, keep)
 
 
-def _check_shards(path: Path) -> Path:
-    """The shard directory of snapshot `path`, after checking every file is there, whole."""
-    shards = path / SHARDS
-    expected = json.loads((path / "meta.json").read_text()).get("shard_files") or {}
-    bad = [
-        n
-        for n, size in expected.items()
-        if not (shards / n).is_file() or (shards / n).stat().st_size != size
-    ]
-    if not expected or bad:
-        raise SnapshotError(
-            f"{path}: FSDP shard files missing or truncated ({', '.join(bad) or 'none listed'}); "
-            "resume from an older snapshot by removing this one"
-        )
-    return shards
-
-
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load an FSDP2 snapshot's shards into the sharded `model` and `optimizer` (collective)."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    shards = _check_shards(Path(path))
+    shards = check_shard_files(Path(path), _meta(Path(path)))
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
     state = {"model": model_sd, "optimizer": optim_sd}
     load(state, checkpoint_id=shards)
@@ -225,7 +207,7 @@ def load_full_model(path: str | Path, model: nn.Module) -> nn.Module:
     """
     from torch.distributed.checkpoint import load
 
-    shards = _check_shards(Path(path))
+    shards = check_shard_files(Path(path), _meta(Path(path)))
     sd = model.state_dict()
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)

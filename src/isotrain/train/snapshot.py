@@ -28,6 +28,8 @@ import torch
 __all__ = ["FORMAT_VERSION", "SnapshotError", "find_snapshots", "load_snapshot", "save_snapshot"]
 
 FORMAT_VERSION = 1
+SHARDS = "shards"  # the DCP directory inside an FSDP snapshot
+
 log = logging.getLogger(__name__)
 
 
@@ -129,6 +131,22 @@ def find_snapshots(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
 
 
+def check_shard_files(snap: Path, meta: dict[str, Any]) -> Path:
+    """The shard directory of FSDP snapshot `snap`, after checking every listed file is whole."""
+    shards = snap / SHARDS
+    expected = meta.get("shard_files") or {}
+    bad = [
+        n
+        for n, size in expected.items()
+        if not (shards / n).is_file() or (shards / n).stat().st_size != size
+    ]
+    if not expected or bad:
+        raise SnapshotError(
+            f"{snap}: FSDP shard files missing or truncated ({', '.join(bad) or 'none listed'})"
+        )
+    return shards
+
+
 def _verify(snap: Path) -> dict[str, Any]:
     """Load one snapshot after checking its checksum; raise SnapshotError if it is damaged."""
     try:
@@ -138,6 +156,8 @@ def _verify(snap: Path) -> dict[str, Any]:
     state = snap / "state.pt"
     if not state.is_file() or _sha256(state) != meta.get("sha256"):
         raise SnapshotError(f"{snap}: state.pt is missing or its checksum does not match")
+    if meta.get("sharded"):
+        check_shard_files(snap, meta)
     try:
         payload = torch.load(state, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
