@@ -5,7 +5,7 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch._dynamo.utils import counters
 
 from isotrain import autograd_linear
@@ -106,22 +106,39 @@ def test_conversion_is_a_no_op_where_bf16_is_native(monkeypatch: pytest.MonkeyPa
     assert isinstance(native_bf16_matmul(), bool)
 
 
-def test_bf16_linear_layer_compiles_to_one_graph() -> None:
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")  # the recorder
+def test_bf16_linear_compiles_to_one_graph_that_keeps_the_layout_op() -> None:
     torch._dynamo.reset()
     counters.clear()
     layer = Bf16Linear(16, 12)
-    x = torch.randn(2, 3, 16)
+    x = torch.randn(2, 3, 16, requires_grad=True)
 
     def step(x: Tensor) -> Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return layer(x)
 
-    cnt = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(step, backend=cnt, fullgraph=True)
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
     y = compiled(x)
     y.float().sum().backward()
     grad = layer.weight.grad.clone()
     layer.weight.grad = None
     step(x).float().sum().backward()
-    assert cnt.frame_count == 1 and not counters["graph_break"]
+    assert len(backend.graphs) == 1 and not counters["graph_break"]
     assert torch.equal(y, step(x)) and torch.equal(grad, layer.weight.grad)
+    # Opaque to the compiler: inductor cannot re-lay the operands out (one product forward,
+    # two backward).
+    fw, bw = backend.fw_graphs[0].code, backend.bw_graphs[0].code
+    assert fw.count("isotrain.layout_mm") == 1 and bw.count("isotrain.layout_mm") == 2
+
+
+def test_layout_op_passes_opcheck() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 5, generator=g, dtype=torch.bfloat16)
+    b = torch.randn(4, 5, generator=g).t()  # fp32, column-major: the op casts and lays out
+    bias = torch.randn(4, generator=g)
+    for args in ((a, b, None), (a, b, bias), (a.t().contiguous().t(), b, bias)):
+        torch.library.opcheck(torch.ops.isotrain.layout_mm, args)
+        ref = F.linear(args[0].float(), b.t().bfloat16().float(), args[2])
+        out = torch.ops.isotrain.layout_mm(*args).float()
+        assert torch.allclose(out, ref, rtol=2**-7, atol=0.02)

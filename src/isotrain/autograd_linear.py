@@ -5,8 +5,9 @@ operands lie in memory, and ``nn.Linear`` under CPU autocast hits its slow layou
 backward's ``mm`` runs about 17x below the best layout. ``bf16_linear`` is a custom autograd
 Function whose forward and backward copy each operand into the fast layout first (a copy is
 O(n^2) against the O(n^3) product), so training with ``torch.autocast("cpu", torch.bfloat16)``
-gets several times faster (benchmarks/results/mfu.md). Values and gradients stay those of
-bf16 matmuls with fp32 accumulation; parameters and their gradients keep their dtype.
+gets several times faster (benchmarks/results/mfu.md). The products are one opaque custom op
+(``isotrain::layout_mm``), so the layouts survive ``torch.compile``. Values and gradients stay
+those of bf16 matmuls with fp32 accumulation; parameters and their gradients keep their dtype.
 """
 
 import functools
@@ -49,13 +50,38 @@ def native_bf16_matmul() -> bool:
 
 
 def _column_major(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """`x` (2-D) cast to `dtype`, stored column-major: one copy."""
+    """`x` (2-D) in `dtype`, stored column-major: one copy unless it already is."""
+    if x.dtype == dtype and x.stride() == (1, x.shape[0]):
+        return x
     return torch.empty((x.shape[1], x.shape[0]), dtype=dtype, device=x.device).copy_(x.t()).t()
 
 
 def _row_major(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`x` (2-D) cast to `dtype`, stored row-major (no copy when it already is)."""
     return x.to(dtype, memory_format=torch.contiguous_format)
+
+
+def _layout_mm_kernel(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    # (bias +) a @ b in a's dtype, with a column-major and b row-major: NOTE [bf16 operand layouts]
+    a, b = _column_major(a, a.dtype), _row_major(b, a.dtype)
+    return torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+
+
+def _layout_mm_fake(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+# The products are one opaque custom op (the `NOTE [custom op template]` pattern in
+# autograd_ops): under torch.compile, inductor would otherwise fold the layout copies away and
+# pick its own operand order, losing the speed-up. Defined once per process, like
+# isotrain::fake_quant.
+if not hasattr(torch.ops.isotrain, "layout_mm"):
+    _op = torch.library.custom_op("isotrain::layout_mm", _layout_mm_kernel, mutates_args=())
+    _op.register_fake(_layout_mm_fake)
+
+
+def _layout_mm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
+    return torch.ops.isotrain.layout_mm(a, b, bias)
 
 
 class _LayoutLinear(torch.autograd.Function):
@@ -71,8 +97,7 @@ class _LayoutLinear(torch.autograd.Function):
     ) -> Tensor:
         lead = x.shape[:-1]
         x_lp = _row_major(x.reshape(-1, x.shape[-1]), dtype)
-        a, b = _column_major(x_lp, dtype), _row_major(weight.t(), dtype)
-        out = torch.mm(a, b) if bias is None else torch.addmm(bias.to(dtype), a, b)
+        out = _layout_mm(x_lp, weight.t(), bias)
         ctx.save_for_backward(x_lp, weight)
         ctx.lead, ctx.has_bias = lead, bias is not None
         return out.view(*lead, weight.shape[0])
@@ -85,10 +110,9 @@ class _LayoutLinear(torch.autograd.Function):
         g = _row_major(grad.reshape(-1, grad.shape[-1]), x_lp.dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(_column_major(g, g.dtype), _row_major(weight, g.dtype))
-            grad_x = grad_x.view(*ctx.lead, weight.shape[1])
+            grad_x = _layout_mm(g, weight).view(*ctx.lead, weight.shape[1])
         if ctx.needs_input_grad[1]:
-            grad_w = _row_major(torch.mm(x_lp.t(), g).t(), weight.dtype)
+            grad_w = _row_major(_layout_mm(x_lp.t(), g).t(), weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0, dtype=torch.float32).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
