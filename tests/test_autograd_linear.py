@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch._dynamo.utils import counters
+from torch.utils.flop_counter import FlopCounterMode
 
 from isotrain import autograd_linear
 from isotrain.autograd_linear import (
@@ -142,3 +143,14 @@ def test_layout_op_passes_opcheck() -> None:
         ref = F.linear(args[0].float(), b.t().bfloat16().float(), args[2])
         out = torch.ops.isotrain.layout_mm(*args).float()
         assert torch.allclose(out, ref, rtol=2**-7, atol=0.02)
+
+
+def test_flop_counter_counts_the_layout_products_as_matmuls() -> None:
+    x, w, b = _inputs(4, 6, 16)
+    counts = []
+    for fn in (F.linear, bf16_linear):
+        counter = FlopCounterMode(display=False)
+        with counter:
+            _bf16(fn, x, w, b)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] == 3 * 2 * 24 * 16 * 12  # forward, grad_x, grad_w

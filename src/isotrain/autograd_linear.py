@@ -12,10 +12,12 @@ those of bf16 matmuls with fp32 accumulation; parameters and their gradients kee
 
 import functools
 import platform
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 __all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers", "native_bf16_matmul"]
 
@@ -75,9 +77,16 @@ def _layout_mm_fake(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
 # autograd_ops): under torch.compile, inductor would otherwise fold the layout copies away and
 # pick its own operand order, losing the speed-up. Defined once per process, like
 # isotrain::fake_quant.
+def _layout_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
+    # FlopCounterMode counts the op as the mm it is (MFU figures stay right).
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
 if not hasattr(torch.ops.isotrain, "layout_mm"):
     _op = torch.library.custom_op("isotrain::layout_mm", _layout_mm_kernel, mutates_args=())
     _op.register_fake(_layout_mm_fake)
+    register_flop_formula(torch.ops.isotrain.layout_mm)(_layout_mm_flops)
 
 
 def _layout_mm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
