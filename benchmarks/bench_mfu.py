@@ -1,12 +1,13 @@
 """Model FLOPs utilisation: achieved model FLOP/s of a training step against the measured peak.
 
-Peak: the best FLOP/s of large square matmuls (torch.mm with each operand storage order, and
-F.linear: on the CPU they take different kernels) in fp32 and bf16, on the same threads and
-clock as the steps. Model FLOPs per step: torch.utils.flop_counter.FlopCounterMode over one
-full step (forward + backward; matmuls and attention, as MFU counts them). MFU = FLOPs per
-step / seconds per step / peak, for the plain loop and the isotrain step (bench_trainer's
-variants), fp32 and bf16 autocast, on the `small` preset's model (6 layers, d 384, T 256).
-Rounds interleave the two variants.
+Peak: the best FLOP/s of matmuls (torch.mm with each operand storage order, and F.linear: on
+the CPU they take different kernels) in fp32 and bf16, large squares and the model's own
+shapes, on the same threads and clock as the steps, measured before and after the steps.
+Model FLOPs per step: torch.utils.flop_counter.FlopCounterMode over one full step (forward +
+backward; matmuls and attention, as MFU counts them). MFU = FLOPs per step / seconds per step
+/ peak, for the plain loop and the isotrain step (bench_trainer's variants), fp32 and bf16
+autocast, on the `small` preset's model (6 layers, d 384, T 256). Rounds interleave the two
+variants.
 
 On CPUs without native bf16 (AVX2 only, e.g. AMD Zen 3) PyTorch multiplies bf16 in a portable
 kernel whose speed depends on the operands' storage order (see the peak table): the plain
@@ -69,18 +70,25 @@ def _timed(fn: Any, device: torch.device, clock: str) -> float:
 
 
 def matmul_peak(
-    precision: str, *, device: str = "cpu", sizes: tuple[int, ...], reps: int, clock: str
+    precision: str,
+    *,
+    device: str = "cpu",
+    sizes: tuple[int | tuple[int, int, int], ...],
+    reps: int,
+    clock: str,
 ) -> dict[str, Any]:
-    """Best FLOP/s over square mm (each operand storage order) and F.linear at each size.
+    """Best FLOP/s over mm (each operand storage order) and F.linear at each size.
 
-    Each op's figure is the fastest of `reps` runs; the peak is the best of them all.
+    A size is n (square) or (m, k, n), such as the model's own products. Each op's figure is
+    the fastest of `reps` runs; the peak is the best of them all.
     """
     dev, dtype = torch.device(device), DTYPE[precision]
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
-    for n in sizes:
-        a = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
-        b = torch.randn(n, n, device=dev, dtype=dtype, generator=gen)
+    for size in sizes:
+        m, k, n = size if isinstance(size, tuple) else (size, size, size)
+        a = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+        b = torch.randn(k, n, device=dev, dtype=dtype, generator=gen)
         bias = torch.zeros(n, device=dev, dtype=dtype)
         a_col, b_col = a.t().contiguous().t(), b.t().contiguous().t()  # column-major storage
         ops = {
@@ -88,13 +96,14 @@ def matmul_peak(
             "mm A col-major": (torch.mm, (a_col, b)),
             "mm B col-major": (torch.mm, (a, b_col)),
             "mm both col-major": (torch.mm, (a_col, b_col)),
-            "linear": (F.linear, (a, b, bias)),
+            "linear": (F.linear, (a, b_col.t(), bias)),
         }
+        label = f"{m}x{k}x{n}" if (m, k) != (n, n) else str(n)
         for op, (f, inputs) in ops.items():
             fn = functools.partial(f, *inputs)
             fn()  # warm-up: kernel selection, packing
             best = min(_timed(fn, dev, clock) for _ in range(reps))
-            rows.append({"op": op, "n": n, "tflops": 2 * n**3 / best / 1e12})
+            rows.append({"op": op, "n": label, "tflops": 2 * m * k * n / best / 1e12})
     peak = max(rows, key=lambda r: r["tflops"])
     return {"precision": precision, "peak_tflops": peak["tflops"], "best": peak, "all": rows}
 
@@ -110,14 +119,24 @@ def step_flops(v: Variant) -> dict[str, Any]:
 
 
 def mfu_for(
-    precision: str, shape: Shape, args: argparse.Namespace, peak: dict[str, Any]
+    precision: str, shape: Shape, args: argparse.Namespace, measure_peak: Any
 ) -> dict[str, Any]:
+    """Time both variants between two peak measurements; MFU is against the higher peak.
+
+    A busy moment during one peak measurement would understate the peak (and overstate MFU),
+    so the peak is measured before and after the steps and the better one is used.
+    """
     cfg = train_config(shape, device=args.device, precision=precision)
     variants = make_variants(["plain", "isotrain"], cfg, args.threads)
     flops = {n: step_flops(v) for n, v in variants.items()}
+    before = measure_peak()
     timing = interleave(variants, rounds=args.rounds, steps=args.steps, warmup=0, first_warmup=1)
+    after = measure_peak()
+    peak = max(before, after, key=lambda p: p["peak_tflops"])
+    print(f"{precision} peak {peak['peak_tflops'] * 1e3:.2f} GFLOP/s", flush=True)
     times = timing[args.clock]
     out: dict[str, Any] = {"precision": precision, "peak": peak, "flops": flops, "variants": {}}
+    out["peak_before_after_tflops"] = [before["peak_tflops"], after["peak_tflops"]]
     ratios = paired_ratios(times)
     for name, secs in times.items():
         f = flops[name]["total"]
@@ -140,7 +159,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"Command: `{m['command']}`  ",
         f"Machine: {machine_line(m)}  ",
         f"Model: GPT, {res['shape']}, fused AdamW; {a['rounds']} interleaved rounds of "
-        f"{a['steps']} step(s). FLOPs per step: FlopCounterMode over forward + backward. "
+        f"{a['steps']} step(s). Peak: the higher of two measurements, before and after the "
+        "steps. FLOPs per step: FlopCounterMode over forward + backward. "
         f"Clock: {CLOCKS[a['clock']]}.",
         "",
         "| precision | measured matmul peak | model GFLOP/step | variant | s/step | achieved "
@@ -149,7 +169,7 @@ def markdown(res: dict[str, Any]) -> str:
     ]
     for r in res["runs"]:
         p = r["peak"]
-        peak = f"{p['peak_tflops'] * 1e3:.1f} GFLOP/s ({p['best']['op']}, n {p['best']['n']})"
+        peak = f"{p['peak_tflops'] * 1e3:.1f} GFLOP/s ({p['best']['op']}, {p['best']['n']})"
         for name, v in r["variants"].items():
             gf = r["flops"][name]["total"] / 1e9
             mfu = {k: 100 * x if isinstance(x, float) else x for k, x in v["mfu"].items()}
@@ -161,7 +181,7 @@ def markdown(res: dict[str, Any]) -> str:
                 + " |"
             )
     lines += ["", "Matmul peak measurements (GFLOP/s, best of the reps):", ""]
-    lines += ["| precision | op | n | GFLOP/s |", "|---|---|---|---|"]
+    lines += ["| precision | op | size (n or MxKxN) | GFLOP/s |", "|---|---|---|---|"]
     for r in res["runs"]:
         for row in r["peak"]["all"]:
             lines.append(
@@ -199,15 +219,17 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     runs = []
     for precision in args.precisions.split(","):
         sizes = args.bf16_sizes if precision != "fp32" and args.device == "cpu" else args.sizes
-        peak = matmul_peak(
+        m, d = args.batch * args.block, args.d_model  # the model's own products, fwd and bwd
+        sizes = [*sizes, (m, d, 4 * d), (m, 4 * d, d), (d, m, 4 * d)]
+        measure = functools.partial(
+            matmul_peak,
             precision,
             device=args.device,
             sizes=tuple(sizes),
             reps=args.peak_reps,
             clock=args.clock,
         )
-        print(f"{precision} peak {peak['peak_tflops'] * 1e3:.2f} GFLOP/s", flush=True)
-        runs.append(mfu_for(precision, shape, args, peak))
+        runs.append(mfu_for(precision, shape, args, measure))
     meta = machine(args.device)
     meta.update(
         load_before=round(load_before, 2),

@@ -22,11 +22,12 @@ from torch.utils.flop_counter import register_flop_formula
 __all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers", "native_bf16_matmul"]
 
 # NOTE [bf16 operand layouts]
-# Measured on an AVX2 AMD EPYC with torch 2.13 (one thread, C = A @ B, M,K,N in 384..1536):
-#   A row-major, B row-major ~1.4 GFLOP/s   (what autograd's mm gets in nn.Linear's backward)
-#   A row-major, B col-major ~10 GFLOP/s    (F.linear's forward: x @ W.T)
-#   A col-major, B row-major ~24 GFLOP/s    (the layout used here)
-#   A col-major, B col-major ~1.4 GFLOP/s
+# bf16 C = A @ B on an AVX2 AMD EPYC, torch 2.13, one thread (the peak table of
+# benchmarks/results/mfu.md measures every order at square and GPT-layer shapes):
+#   A row-major, B row-major   slowest, ~1 GFLOP/s (autograd's mm in nn.Linear's backward)
+#   A row-major, B col-major   ~10x that           (F.linear's forward: x @ W.T)
+#   A col-major, B row-major   ~15-20x that        (the order used here)
+#   A col-major, B col-major   as slow as the first
 # Each product below is arranged as (column-major A) @ (row-major B):
 #   forward   y  = x @ W.T  -> A = x copied to column-major, B = W.T copied to row-major
 #   backward  dx = g @ W    -> A = g copied to column-major, B = W (row-major already)
