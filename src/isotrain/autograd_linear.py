@@ -52,11 +52,11 @@ def native_bf16_matmul() -> bool:
     return not (x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"))
 
 
-def _column_major(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """`x` (2-D) in `dtype`, stored column-major: one copy unless it already is."""
-    if x.dtype == dtype and x.stride() == (1, x.shape[0]):
+def _column_major(x: Tensor) -> Tensor:
+    """`x` (2-D) stored column-major: one copy unless it already is."""
+    if x.stride() == (1, x.shape[0]):
         return x
-    return torch.empty((x.shape[1], x.shape[0]), dtype=dtype, device=x.device).copy_(x.t()).t()
+    return x.t().contiguous().t()
 
 
 def _row_major(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -66,7 +66,7 @@ def _row_major(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _layout_mm_kernel(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     # (bias +) a @ b in a's dtype, with a column-major and b row-major: NOTE [bf16 operand layouts]
-    a, b = _column_major(a, a.dtype), _row_major(b, a.dtype)
+    a, b = _column_major(a), _row_major(b, a.dtype)
     return torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
 
 
@@ -74,16 +74,16 @@ def _layout_mm_fake(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
-# The products are one opaque custom op (the `NOTE [custom op template]` pattern in
-# autograd_ops): under torch.compile, inductor would otherwise fold the layout copies away and
-# pick its own operand order, losing the speed-up. Defined once per process, like
-# isotrain::fake_quant.
 def _layout_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> int:
     # FlopCounterMode counts the op as the mm it is (MFU figures stay right).
     (m, k), (_, n) = a_shape, b_shape
     return 2 * m * k * n
 
 
+# The products are one opaque custom op (the `NOTE [custom op template]` pattern in
+# autograd_ops): under torch.compile, inductor would otherwise fold the layout copies away and
+# pick its own operand order, losing the speed-up. Defined once per process, like
+# isotrain::fake_quant.
 if not hasattr(torch.ops.isotrain, "layout_mm"):
     _op = torch.library.custom_op("isotrain::layout_mm", _layout_mm_kernel, mutates_args=())
     _op.register_fake(_layout_mm_fake)
