@@ -108,12 +108,22 @@ def check_compile_buckets(capsys: pytest.CaptureFixture[str]) -> None:
     assert "after warm-up: 0 compilations, 0 recompiles" in out
 
 
+def check_cpu_bf16(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run("cpu_bf16", capsys)
+    assert re.search(r"native bf16 matmul on this CPU: (True|False)", out)
+    a0, a1, _ = grab(rf"nn.Linear:  loss {NUM} -> {NUM}, {NUM} ms/step", out)
+    b0, b1, _ = grab(rf"Bf16Linear: loss {NUM} -> {NUM}, {NUM} ms/step", out)
+    assert a0 == b0 and float(a1) < float(a0)  # same start; both train
+    assert abs(float(b1) - float(a1)) <= 0.01 * float(a1)  # the same arithmetic, to bf16 rounding
+
+
 CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "seed_loop": check_seed_loop,
     "qat_finetune": check_qat_finetune,
     "memory_budget": check_memory_budget,
     "nan_guard": check_nan_guard,
     "compile_buckets": check_compile_buckets,
+    "cpu_bf16": check_cpu_bf16,
 }
 
 
