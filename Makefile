@@ -1,35 +1,41 @@
 # isotrain: `make train` and `make test` create the environment when it is missing, then run.
 # TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"
+# `make train` installs what training needs; test, lint, docs and bench add the dev tools.
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: train test lint bench docs clean
 
-$(STAMP): pyproject.toml
+$(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+	$(PY) -m pip install --quiet -e .
+	touch $(RUN_STAMP)
 
-train: $(STAMP)
+$(DEV_STAMP): $(RUN_STAMP)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(DEV_STAMP)
+
+train: $(RUN_STAMP)
 	$(VENV)/bin/isotrain train
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m pytest
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools
 	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) benchmarks/run_all.py
 
-docs: $(STAMP)
+docs: $(DEV_STAMP)
 	$(PY) tools/build_docs.py -o docs
 
 clean:
