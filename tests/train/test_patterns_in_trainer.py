@@ -88,12 +88,16 @@ def test_quantized_activations_train_and_differ_from_weights_only(tmp_path) -> N
 
 def test_cpu_bf16_uses_layout_linears_with_the_same_losses(tmp_path, monkeypatch) -> None:
     losses, kinds = {}, {}
-    for native in (True, False):
+    full = C.CheckpointingConfig(policy="full")
+    cases = [("stock", True, None), ("layout", False, None), ("ckpt", False, full)]
+    for key, native, ckpt in cases:
         monkeypatch.setattr(autograd_linear, "native_bf16_matmul", lambda native=native: native)
         torch.manual_seed(0)
-        run = setup(_cfg(tmp_path / str(native), precision="bf16"))
-        kinds[native] = type(run.model.blocks[0].mlp.fc).__name__
-        losses[native] = [float(train_step(run).loss) for _ in range(3)]
-    assert kinds == {True: "Linear", False: "Bf16Linear"}
-    assert losses[False] == pytest.approx(losses[True], rel=1e-2)
+        extra = {"checkpointing": ckpt} if ckpt else {}
+        run = setup(_cfg(tmp_path / key, precision="bf16", **extra))
+        kinds[key] = type(run.model.blocks[0].mlp.fc).__name__
+        losses[key] = [float(train_step(run).loss) for _ in range(3)]
+    assert kinds == {"stock": "Linear", "layout": "Bf16Linear", "ckpt": "Bf16Linear"}
+    assert losses["layout"] == pytest.approx(losses["stock"], rel=1e-2)
+    assert losses["ckpt"] == losses["layout"]  # recomputation repeats the same products
     assert type(setup(_cfg(tmp_path / "fp32")).model.lm_head).__name__ == "Linear"
