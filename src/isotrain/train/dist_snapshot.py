@@ -189,7 +189,7 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    shards = check_shard_files(Path(path), _meta(Path(path)))
+    shards = check_shard_files(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
     state = {"model": model_sd, "optimizer": optim_sd}
     load(state, checkpoint_id=shards)
@@ -207,7 +207,7 @@ def load_full_model(path: str | Path, model: nn.Module) -> nn.Module:
     """
     from torch.distributed.checkpoint import load
 
-    shards = check_shard_files(Path(path), _meta(Path(path)))
+    shards = check_shard_files(path)
     sd = model.state_dict()
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)

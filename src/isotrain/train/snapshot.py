@@ -131,10 +131,14 @@ def find_snapshots(run_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
 
 
-def check_shard_files(snap: Path, meta: dict[str, Any]) -> Path:
-    """The shard directory of FSDP snapshot `snap`, after checking every listed file is whole."""
+def check_shard_files(snap: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    """The shard directory of FSDP snapshot `snap`, after checking every listed file is whole.
+
+    `meta` is the snapshot's meta.json, read here when not given.
+    """
+    snap = Path(snap)
     shards = snap / SHARDS
-    expected = meta.get("shard_files") or {}
+    expected = (meta if meta is not None else _meta(snap)).get("shard_files") or {}
     bad = [
         n
         for n, size in expected.items()
