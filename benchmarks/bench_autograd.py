@@ -7,7 +7,7 @@ fake-quantize of a large tensor, three ways, each with the identity STE (the idi
 
 * ``detach_idiom``  plain PyTorch, the baseline of every ratio
 * ``function``      ``isotrain.autograd.fake_quantize`` (a setup_context autograd.Function)
-* ``custom_op``     ``isotrain.autograd_ops.fused_fake_quantize`` (``isotrain::fake_quant``)
+* ``custom_op``     ``isotrain.autograd.fused_fake_quantize`` (``isotrain::fake_quant``)
 
 each eager and under ``torch.compile`` (inductor; falls back to aot_eager if inductor cannot
 compile here, and says so). Variants are interleaved round by round, order rotating; the
@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from isotrain.autograd import fake_quantize
-from isotrain.autograd_ops import fused_fake_quantize
+from isotrain.autograd import fake_quantize, fused_fake_quantize
 
 RESULTS = Path(__file__).parent / "results"
 BITS, LO, HI = 8, -3.0, 3.0

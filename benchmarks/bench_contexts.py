@@ -21,8 +21,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from isotrain.audit import StateAudit
-from isotrain.contexts import autocast_if_available, eval_mode, frozen, rng_isolated, train_mode
+from isotrain.contexts import (
+    StateAudit,
+    autocast_if_available,
+    eval_mode,
+    frozen,
+    rng_isolated,
+    train_mode,
+)
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from isotrain.autograd_linear import bf16_linear_layers, native_bf16_matmul
+from isotrain.autograd import bf16_linear_layers, native_bf16_matmul
 from isotrain.contexts import autocast_if_available
 from isotrain.guard import StepGuard
 

@@ -11,7 +11,7 @@ log step reads a whole window of them at once. After ``patience`` consecutive sk
     python examples/nan_guard.py --smoke
 
 Patterns: ``StepGuard`` (isotrain.guard), ``FaultInjector``, ``Rollback`` and
-``forbid_host_sync`` (isotrain.guard_recovery), ``eval_mode`` (isotrain.contexts).
+``forbid_host_sync`` (isotrain.testing), ``eval_mode`` (isotrain.contexts).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from isotrain.contexts import eval_mode
-from isotrain.guard import SkipReason, StepGuard
-from isotrain.guard_recovery import FaultInjector, Rollback, forbid_host_sync
+from isotrain.guard import FaultInjector, Rollback, SkipReason, StepGuard
+from isotrain.testing import forbid_host_sync
 
 
 def batch(gen: torch.Generator, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from isotrain.autograd import fake_quantize
-from isotrain.autograd_ops import quantize_linear_layers
+from isotrain.autograd import fake_quantize, quantize_linear_layers
 from isotrain.contexts import eval_mode
 from isotrain.guard import StepGuard
 

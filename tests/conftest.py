@@ -1,7 +1,7 @@
 """Shared pytest fixtures for the isotrain suite.
 
 Isolation audit (autouse, every test): each test runs inside ``isotrain.contexts.rng_isolated``
-and an ``isotrain.audit.StateAudit`` of global state (no modules). A test FAILS (reported as an
+and an ``isotrain.contexts.StateAudit`` of global state (no modules). A test FAILS (reported as an
 error in teardown, with the list of leaks) if it leaves grad mode, inference mode, autocast
 (enabled/dtype/cache, cpu and cuda), default dtype, deterministic-algorithms flags, thread count,
 anomaly mode, float32 matmul precision or the compiler stance different from how it found them.
@@ -23,8 +23,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from isotrain.audit import StateAudit
-from isotrain.contexts import rng_isolated
+from isotrain.contexts import StateAudit, rng_isolated
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Tests for isotrain.audit: each kind of leak is named exactly; clean blocks report nothing."""
+"""Tests for isotrain.contexts: each kind of leak is named exactly; clean blocks report nothing."""
 
 from __future__ import annotations
 
@@ -15,8 +15,16 @@ import pytest
 import torch
 from torch import nn
 
-from isotrain.audit import StateAudit, StateLeakError, assert_isolated
-from isotrain.contexts import autocast_if_available, eval_mode, frozen, rng_isolated, train_mode
+from isotrain.contexts import (
+    StateAudit,
+    StateLeakError,
+    assert_isolated,
+    autocast_if_available,
+    eval_mode,
+    frozen,
+    rng_isolated,
+    train_mode,
+)
 
 pytest_plugins = ["pytester"]
 

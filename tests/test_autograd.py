@@ -11,18 +11,20 @@ from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from isotrain import autograd_ops
 from isotrain.autograd import (
     LSQQuantizer,
+    QuantLinear,
     StraightThroughEstimator,
     fake_quantize,
+    fused_fake_quantize,
     gumbel_softmax_st,
     lsq_quantize,
     quantize,
+    quantize_linear_layers,
     round_ste,
     sign_ste,
 )
-from isotrain.autograd_ops import QuantLinear, fused_fake_quantize, quantize_linear_layers
+from isotrain.autograd import _ops as autograd_ops
 
 
 def _gen(seed: int = 0) -> torch.Generator:

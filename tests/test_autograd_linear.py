@@ -9,15 +9,16 @@ from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
-from isotrain import autograd_linear
-from isotrain.autograd_linear import (
+from isotrain.autograd import (
     Bf16Linear,
-    _LayoutLinear,
+    QuantLinear,
     bf16_linear,
     bf16_linear_layers,
     native_bf16_matmul,
+    quantize_linear_layers,
 )
-from isotrain.autograd_ops import QuantLinear, quantize_linear_layers
+from isotrain.autograd import _linear as autograd_linear
+from isotrain.autograd._linear import _LayoutLinear
 
 
 def _inputs(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[Tensor, ...]:

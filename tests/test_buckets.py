@@ -1,4 +1,4 @@
-"""Tests for isotrain.buckets: bucket lists, bucket lookup, next-token padding collate, and the
+"""Tests for isotrain.compile: bucket lists, bucket lookup, next-token padding collate, and the
 same-bucket batch sampler. (The padded-loss equality with a causal model is in test_compile.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isotrain.buckets import BucketBatchSampler, bucket_for, default_buckets, pad_to_bucket
+from isotrain.compile import BucketBatchSampler, bucket_for, default_buckets, pad_to_bucket
 
 
 def test_default_buckets_powers_of_two_then_block_size():

@@ -12,9 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from isotrain.guard import SkipReason, StepGuard, safe_backward
-from isotrain.guard_recovery import FaultInjector, forbid_host_sync
-from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
+from isotrain.guard import (
+    FaultInjector,
+    HostSpikeDetector,
+    SkipReason,
+    SpikeDetector,
+    StepGuard,
+    safe_backward,
+)
+from isotrain.testing import forbid_host_sync
 
 OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),

@@ -10,10 +10,10 @@ import torch
 from tests.test_guard import assert_same, loss_of, make_model
 from torch import nn
 
-from isotrain.guard import StepGuard
-from isotrain.guard_recovery import (
+from isotrain.guard import (
     FaultInjector,
     Rollback,
+    StepGuard,
     find_nonfinite_source,
     load_failure_case,
     nonfinite_grads,

@@ -1,9 +1,9 @@
 """isotrain: five PyTorch training patterns as tested library pieces, plus a reference trainer.
 
-Each pattern lives in its own module and imports only torch and the standard library:
+Each pattern is its own package, importing only torch, the standard library and the few
+helpers in `isotrain._shared`; its `__init__` is its whole public API:
 
-- `isotrain.autograd`: straight-through estimators and compile-safe custom ops
-  (`isotrain.autograd_linear`: bf16 linear layers at full speed on AVX2 CPUs)
+- `isotrain.autograd`: straight-through estimators, compile-safe custom ops, QAT and bf16 layers
 - `isotrain.checkpointing`: activation checkpointing by policy, with measured memory
 - `isotrain.guard`: a sync-free guard that keeps NaN/Inf and spikes out of the weights
 - `isotrain.compile`: per-block torch.compile, length buckets, recompile accounting
@@ -13,22 +13,22 @@ Each pattern lives in its own module and imports only torch and the standard lib
 """
 
 from isotrain.autograd import (
+    Bf16Linear,
     LSQQuantizer,
+    QuantLinear,
     StraightThroughEstimator,
+    bf16_linear,
+    bf16_linear_layers,
     fake_quantize,
+    fused_fake_quantize,
     gumbel_softmax_st,
     lsq_quantize,
+    native_bf16_matmul,
     quantize,
+    quantize_linear_layers,
     round_ste,
     sign_ste,
 )
-from isotrain.autograd_linear import (
-    Bf16Linear,
-    bf16_linear,
-    bf16_linear_layers,
-    native_bf16_matmul,
-)
-from isotrain.autograd_ops import QuantLinear, fused_fake_quantize, quantize_linear_layers
 from isotrain.checkpointing import (
     ACPolicy,
     CheckpointedTransformerBlock,
@@ -63,18 +63,21 @@ from isotrain.contexts import (
     rng_isolated,
     train_mode,
 )
-from isotrain.guard import SkipReason, StepGuard, StepOutcome, safe_backward
-from isotrain.guard_recovery import (
+from isotrain.guard import (
     FaultInjector,
     Provenance,
     Rollback,
     RollbackAction,
+    SkipReason,
+    SpikeDetector,
+    StepGuard,
+    StepOutcome,
     find_nonfinite_source,
     load_failure_case,
     nonfinite_grads,
+    safe_backward,
     save_failure_case,
 )
-from isotrain.guard_spikes import SpikeDetector
 
 __version__ = "0.1.0"
 

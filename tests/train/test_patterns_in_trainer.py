@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from isotrain import autograd_linear
+from isotrain.autograd import _linear as autograd_linear
 from isotrain.train import config as C
 from isotrain.train.loop import setup, train, train_step
 from isotrain.train.report import read_metrics

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from isotrain.buckets import pad_to_bucket
+from isotrain.compile import pad_to_bucket
 
 __all__ = [
     "ByteTokenizer",

@@ -18,11 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain.autograd_linear import bf16_linear_layers
-from isotrain.autograd_ops import quantize_linear_layers
-from isotrain.buckets import default_buckets
+from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
-from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
+from isotrain.compile import compile_counters, compile_model, default_buckets, no_recompiles, warmup
 from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate

@@ -12,8 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from isotrain.guard import StepGuard, StepOutcome
-from isotrain.guard_recovery import FaultInjector, Rollback
+from isotrain.guard import FaultInjector, Rollback, StepGuard, StepOutcome
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo, all_reduce_mean
 

@@ -27,19 +27,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from isotrain.buckets import BucketBatchSampler, bucket_for, default_buckets, pad_to_bucket
-
 __all__ = [
-    "BucketBatchSampler",
     "CompileAvailability",
     "CompileStats",
-    "bucket_for",
     "compile_available",
     "compile_counters",
     "compile_model",
-    "default_buckets",
     "no_recompiles",
-    "pad_to_bucket",
     "track_compiles",
     "warmup",
 ]

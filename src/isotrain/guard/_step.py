@@ -20,15 +20,15 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
-from isotrain.guard_outcome import (
+from isotrain.guard._outcome import (
     _FLAG_CODES,
     SkipReason,
     StepOutcome,
     _clip_is_one,
     _host_reason,
 )
-from isotrain.guard_select import SelectiveStep
-from isotrain.guard_spikes import HostSpikeDetector, SpikeDetector
+from isotrain.guard._select import SelectiveStep
+from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
 
 __all__ = [
     "SkipReason",
@@ -180,7 +180,7 @@ class StepGuard:
         # (present, order): norm j belongs to names[present[order[j]]]; resolved when read
         self._grad_order: tuple[list[int], list[int]] = ([], [])
         self._warned: set[str] = set()
-        # Tests set this to guard_recovery.forbid_host_sync; it wraps the sync-free phases.
+        # Tests set this to isotrain.testing.forbid_host_sync; it wraps the sync-free phases.
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from isotrain.autograd import _LSQ, Gradient, _check_bits, _check_gradient, _check_range
+from isotrain.autograd._ste import _LSQ, Gradient, _check_bits, _check_gradient, _check_range
 
 __all__ = ["QuantLinear", "fused_fake_quantize", "quantize_linear_layers"]
 

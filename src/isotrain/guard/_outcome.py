@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from isotrain.guard_spikes import HostSpikeDetector
+from isotrain.guard._spikes import HostSpikeDetector
 
 __all__ = ["SkipReason", "StepOutcome"]
 

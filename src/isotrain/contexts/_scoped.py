@@ -3,7 +3,7 @@
 Every context captures the state it changes on entry and restores it in ``finally``, so an
 exception inside the block, nesting in any order, or a submodule kept in a different mode than
 its parent (a frozen BatchNorm in eval while the rest trains) all come back exactly.
-``StateAudit`` (in :mod:`isotrain.audit`, re-exported here) checks that a block leaked nothing.
+``StateAudit`` (in ``_audit``) checks that a block leaked nothing.
 """
 
 from __future__ import annotations
@@ -19,13 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain.audit import StateAudit, StateLeakError, assert_isolated
-
 __all__ = [
     "AutocastInfo",
-    "StateAudit",
-    "StateLeakError",
-    "assert_isolated",
     "autocast_if_available",
     "eval_mode",
     "frozen",

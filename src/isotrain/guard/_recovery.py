@@ -7,9 +7,8 @@ watch it all work. Imports only torch and the standard library.
 
 from __future__ import annotations
 
-import contextlib
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ __all__ = [
     "Rollback",
     "RollbackAction",
     "find_nonfinite_source",
-    "forbid_host_sync",
     "load_failure_case",
     "nonfinite_grads",
     "save_failure_case",
@@ -50,36 +48,6 @@ def _float_leaves(obj: Any) -> list[torch.Tensor]:
 def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     flags = [(~t.detach().isfinite()).any() for t in tensors]
     return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
-
-
-@contextlib.contextmanager
-def forbid_host_sync() -> Iterator[None]:
-    """Make Python-level host reads of any tensor raise while active (a test aid).
-
-    Patches ``Tensor.item/tolist/numpy/cpu/__bool__/__float__/__int__/__index__``. On CUDA also
-    use ``torch.cuda.set_sync_debug_mode("error")``, which sees syncs made inside C++.
-
-    Example: ``with forbid_host_sync(): guard.step(loss)  # raises if the guard reads a tensor``
-    """
-    names = ("item", "tolist", "numpy", "cpu", "__bool__", "__float__", "__int__", "__index__")
-    saved = {n: torch.Tensor.__dict__.get(n) for n in names}
-
-    def trap(name: str) -> Callable[..., Any]:
-        def raiser(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(f"host sync: Tensor.{name}() called inside a sync-free region")
-
-        return raiser
-
-    try:
-        for n in names:
-            setattr(torch.Tensor, n, trap(n))
-        yield
-    finally:
-        for n, fn in saved.items():
-            if fn is None:
-                delattr(torch.Tensor, n)
-            else:
-                setattr(torch.Tensor, n, fn)
 
 
 # -- provenance -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 Wrapping replaces `forward` on the chosen module instances (the class, `type()`, repr and
 state-dict keys stay as they were) with one that runs the original under
 `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; `remove_activation_checkpointing`
-undoes it. Measurement lives in `isotrain.checkpointing_measure`.
+undoes it. Measurement lives in `_measure`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,9 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from isotrain.checkpointing_measure import (
-    BlockStats,
-    MemoryReport,
+from isotrain.checkpointing._measure import (
     ModuleSpec,
     _State,
-    measure_activation_memory,
     note_cached_outputs,
     profile_forward,
     resolve_modules,
@@ -39,11 +36,8 @@ from isotrain.checkpointing_measure import (
 
 __all__ = [
     "ACPolicy",
-    "BlockStats",
     "CheckpointedTransformerBlock",
-    "MemoryReport",
     "apply_activation_checkpointing",
-    "measure_activation_memory",
     "parse_policy",
     "remove_activation_checkpointing",
     "selective_policy",

@@ -3,7 +3,7 @@
 Every function here is a ``torch.autograd.Function`` in the ``setup_context`` style, so it
 works in eager mode, under ``torch.compile(fullgraph=True)`` and under ``torch.func``
 (``grad``, ``vmap``). The fused custom-op variant and the QAT layers live in
-``isotrain.autograd_ops``.
+``_ops``.
 """
 
 from __future__ import annotations

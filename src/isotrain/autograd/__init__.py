@@ -1,0 +1,42 @@
+"""Custom autograd: straight-through estimators, a compile-safe custom op, QAT and bf16 layers.
+
+Every Function uses the ``setup_context`` style, so it works eager, under
+``torch.compile(fullgraph=True)`` and under ``torch.func`` (``grad``, ``vmap``). This
+``__init__`` is the package's whole public API; the ``_``-modules behind it are private.
+"""
+
+from isotrain.autograd._linear import (
+    Bf16Linear,
+    bf16_linear,
+    bf16_linear_layers,
+    native_bf16_matmul,
+)
+from isotrain.autograd._ops import QuantLinear, fused_fake_quantize, quantize_linear_layers
+from isotrain.autograd._ste import (
+    LSQQuantizer,
+    StraightThroughEstimator,
+    fake_quantize,
+    gumbel_softmax_st,
+    lsq_quantize,
+    quantize,
+    round_ste,
+    sign_ste,
+)
+
+__all__ = [
+    "Bf16Linear",
+    "LSQQuantizer",
+    "QuantLinear",
+    "StraightThroughEstimator",
+    "bf16_linear",
+    "bf16_linear_layers",
+    "fake_quantize",
+    "fused_fake_quantize",
+    "gumbel_softmax_st",
+    "lsq_quantize",
+    "native_bf16_matmul",
+    "quantize",
+    "quantize_linear_layers",
+    "round_ste",
+    "sign_ste",
+]

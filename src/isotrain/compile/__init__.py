@@ -1,0 +1,33 @@
+"""torch.compile without recompile storms: per-block compile, length buckets, warm-up, no storms.
+
+``compile_model`` compiles each block in place; ``warmup`` compiles one graph per bucket up
+front; ``no_recompiles`` then turns any new graph into an error.
+This ``__init__`` is the package's whole public API; the ``_``-modules behind it are private.
+"""
+
+from isotrain.compile._buckets import BucketBatchSampler, bucket_for, default_buckets, pad_to_bucket
+from isotrain.compile._regional import (
+    CompileAvailability,
+    CompileStats,
+    compile_available,
+    compile_counters,
+    compile_model,
+    no_recompiles,
+    track_compiles,
+    warmup,
+)
+
+__all__ = [
+    "BucketBatchSampler",
+    "CompileAvailability",
+    "CompileStats",
+    "bucket_for",
+    "compile_available",
+    "compile_counters",
+    "compile_model",
+    "default_buckets",
+    "no_recompiles",
+    "pad_to_bucket",
+    "track_compiles",
+    "warmup",
+]
