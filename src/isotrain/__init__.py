@@ -12,6 +12,7 @@ helpers in `isotrain._shared`; its `__init__` is its whole public API:
 `isotrain.train` is the reference GPT trainer built on them (`isotrain train`).
 """
 
+from isotrain._shared import BlockSpec, find_blocks
 from isotrain.autograd import (
     Bf16Linear,
     LSQQuantizer,
@@ -58,8 +59,10 @@ from isotrain.contexts import (
     StateLeakError,
     assert_isolated,
     autocast_if_available,
+    capture_rng_state,
     eval_mode,
     frozen,
+    restore_rng_state,
     rng_isolated,
     train_mode,
 )
@@ -85,6 +88,7 @@ __all__ = [
     "ACPolicy",
     "AutocastInfo",
     "Bf16Linear",
+    "BlockSpec",
     "BucketBatchSampler",
     "CheckpointedTransformerBlock",
     "CompileStats",
@@ -109,12 +113,14 @@ __all__ = [
     "bf16_linear",
     "bf16_linear_layers",
     "bucket_for",
+    "capture_rng_state",
     "compile_available",
     "compile_counters",
     "compile_model",
     "default_buckets",
     "eval_mode",
     "fake_quantize",
+    "find_blocks",
     "find_nonfinite_source",
     "frozen",
     "fused_fake_quantize",
@@ -130,6 +136,7 @@ __all__ = [
     "quantize",
     "quantize_linear_layers",
     "remove_activation_checkpointing",
+    "restore_rng_state",
     "rng_isolated",
     "round_ste",
     "safe_backward",

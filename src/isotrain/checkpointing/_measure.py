@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["BlockStats", "MemoryReport", "measure_activation_memory", "resolve_modules"]
+from isotrain._shared import BlockSpec, cuda_devices, find_blocks
 
-ModuleSpec = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] | None
+__all__ = ["BlockStats", "MemoryReport", "measure_activation_memory"]
 
 
 # NOTE [measurement state]: checkpointed forwards read these two switches as plain class
@@ -57,50 +57,6 @@ def note_cached_outputs(out: Any) -> None:
     if rec is not None:
         for t in out if isinstance(out, (tuple, list)) else (out,):
             rec.add(t)
-
-
-def resolve_modules(model: nn.Module, modules: ModuleSpec = None) -> list[tuple[str, nn.Module]]:
-    """The (name, module) blocks to wrap or measure, outermost matches only, in model order.
-
-    `modules` is a module type, a tuple of types, a predicate `(name, module) -> bool`, or None
-    for the children of every outermost `nn.ModuleList` (the usual transformer block list).
-
-    Example: ``[name for name, _ in resolve_modules(gpt)]  # ["blocks.0", "blocks.1", ...]``
-    """
-    if modules is None:
-
-        def match(name: str, mod: nn.Module) -> bool:
-            return _parent_is_modulelist(model, name)
-
-    elif isinstance(modules, type) or (
-        isinstance(modules, tuple) and all(isinstance(t, type) for t in modules)
-    ):
-        types = modules
-
-        def match(name: str, mod: nn.Module) -> bool:
-            return isinstance(mod, types) and name != ""
-
-    elif callable(modules):
-        match = modules  # type: ignore[assignment]
-    else:
-        raise TypeError(
-            f"modules must be an nn.Module subclass, a tuple of them, or a predicate "
-            f"(name, module) -> bool; got {type(modules).__name__}. Example: modules=(Block,)."
-        )
-    chosen: list[tuple[str, nn.Module]] = []
-    for name, mod in model.named_modules():
-        if any(name.startswith(c + ".") for c, _ in chosen if c):
-            continue  # nested inside a chosen block: the outer wrap already covers it
-        if match(name, mod):
-            chosen.append((name, mod))
-    return chosen
-
-
-def _parent_is_modulelist(model: nn.Module, name: str) -> bool:
-    if not name:
-        return False
-    parent = model.get_submodule(name.rpartition(".")[0])
-    return isinstance(parent, nn.ModuleList)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,13 +171,6 @@ def _default_loss(out: Any) -> torch.Tensor:
     return torch.stack(floats).sum()
 
 
-def _devices(inputs: Sequence[Any]) -> list[torch.device]:
-    return sorted(
-        {t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"},
-        key=str,
-    )
-
-
 def profile_forward(
     model: nn.Module,
     blocks: list[tuple[str, nn.Module]],
@@ -275,7 +224,7 @@ def _pack(rec: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
 def measure_activation_memory(
     model: nn.Module,
     *example_inputs: Any,
-    modules: ModuleSpec = None,
+    modules: BlockSpec = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     recompute: bool = True,
 ) -> MemoryReport:
@@ -290,9 +239,9 @@ def measure_activation_memory(
         >>> print(report)             # per-block table, totals, FLOPs
         >>> report.total_bytes
     """
-    blocks = resolve_modules(model, modules)
+    blocks = find_blocks(model, modules, purpose="blocks to measure")
     loss_fn = loss_fn or _default_loss
-    devices = _devices(example_inputs)
+    devices = [torch.device("cuda", i) for i in cuda_devices(example_inputs)]
     with torch.random.fork_rng(devices=devices), _scoped_grads(model), torch.enable_grad():
         base_alloc = _cuda_reset(devices)
         out, saved, fwd_flops, counter = profile_forward(model, blocks, example_inputs)

@@ -26,12 +26,11 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from isotrain._shared import BlockSpec, cuda_devices, find_blocks
 from isotrain.checkpointing._measure import (
-    ModuleSpec,
     _State,
     note_cached_outputs,
     profile_forward,
-    resolve_modules,
 )
 
 __all__ = [
@@ -278,7 +277,7 @@ def apply_activation_checkpointing(
     model: nn.Module,
     *,
     policy: str | ACPolicy,
-    modules: ModuleSpec = None,
+    modules: BlockSpec = None,
     example_inputs: Sequence[Any] | torch.Tensor | None = None,
 ) -> nn.Module:
     """Checkpoint the chosen blocks of `model` in place by `policy`; state-dict keys unchanged.
@@ -296,12 +295,7 @@ def apply_activation_checkpointing(
     remove_activation_checkpointing(model)
     if pol.kind == "none":
         return model
-    blocks = resolve_modules(model, modules)
-    if not blocks:
-        raise ValueError(
-            f"no submodule of {type(model).__name__} matched modules={modules!r}, so policy "
-            f"'{pol}' has nothing to checkpoint; pass modules=(YourBlock,) or a predicate"
-        )
+    blocks = find_blocks(model, modules, purpose=f"blocks to checkpoint with policy '{pol}'")
     if pol.kind == "budget":
         chosen = _plan_budget(model, blocks, pol, example_inputs)
     elif pol.kind == "every":
@@ -349,8 +343,7 @@ def _saved_bytes(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple, kwargs: dict | None = None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Per-block saved bytes ('' = outside blocks) and forward FLOPs of one forward."""
-    devices = sorted({t.device for t in args if isinstance(t, torch.Tensor) and t.is_cuda}, key=str)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad():
+    with torch.random.fork_rng(devices=cuda_devices(args)), torch.enable_grad():
         out, saved, flops, _ = profile_forward(model, blocks, args, kwargs)
     del out  # frees the graph and everything it saved
     return saved, flops

@@ -27,6 +27,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from isotrain._shared import (
+    BlockSpec,
+    cuda_devices,
+    find_blocks,
+    restore_training_flags,
+    training_flags,
+)
+
 __all__ = [
     "CompileAvailability",
     "CompileStats",
@@ -37,8 +45,6 @@ __all__ = [
     "track_compiles",
     "warmup",
 ]
-
-ModuleSelector = type[nn.Module] | tuple[type[nn.Module], ...] | Callable[[nn.Module], bool]
 
 
 @dataclass(frozen=True)
@@ -157,38 +163,6 @@ class _GuardedCall:
             return out
 
 
-def _select_modules(model: nn.Module, modules: ModuleSelector | None) -> list[nn.Module]:
-    if modules is None:
-        lists = (m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0)
-        found = next(lists, None)
-        if found is None:
-            raise ValueError(
-                f"{type(model).__name__} has no non-empty nn.ModuleList of blocks: pass "
-                "modules=(BlockType,) or a predicate, or regional=False to compile it whole"
-            )
-        return list(found)
-    if isinstance(modules, (type, tuple)):
-        types = modules if isinstance(modules, tuple) else (modules,)
-        pred = lambda m: isinstance(m, types)  # noqa: E731
-    elif callable(modules):
-        pred = modules
-    else:
-        raise TypeError(f"modules must be a type, a tuple of types or a predicate, got {modules!r}")
-    chosen: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> None:  # outermost matches only: never compile inside a compiled one
-        if pred(m):
-            chosen.append(m)
-        else:
-            for child in m.children():
-                visit(child)
-
-    visit(model)
-    if not chosen:
-        raise ValueError(f"no submodule of {type(model).__name__} matched modules={modules!r}")
-    return chosen
-
-
 def _model_device(model: nn.Module) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
@@ -209,16 +183,16 @@ def compile_model(
     dynamic: bool | None = None,
     regional: bool = True,
     backend: str | Callable[..., Any] = "inductor",
-    modules: ModuleSelector | None = None,
+    modules: BlockSpec = None,
     fallback: bool = True,
 ) -> nn.Module:
     """Compile ``model`` in place, block by block (``regional=True``) or whole; returns it.
 
-    Blocks are the children of the first non-empty ``nn.ModuleList`` (e.g. ``model.blocks``)
-    unless ``modules`` gives block types or a predicate. In place means state-dict keys do not
-    change. With ``fallback=True`` a backend that cannot run here, or a compile that fails at a
-    call, gives one ``RuntimeWarning`` and eager execution instead of a crash. With length
-    buckets pass ``dynamic=False``: each bucket then gets its own static graph.
+    Blocks are the children of every outermost ``nn.ModuleList`` (e.g. ``model.blocks``)
+    unless ``modules`` gives block types or a ``(name, module)`` predicate. In place means
+    state-dict keys do not change. With ``fallback=True`` a backend that cannot run here, or a
+    compile that fails at a call, gives one ``RuntimeWarning`` and eager execution instead of a
+    crash. With length buckets pass ``dynamic=False``: each bucket gets its own static graph.
 
     Example: ``compile_model(model, dynamic=False, backend="inductor")``.
     """
@@ -226,7 +200,11 @@ def compile_model(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not regional and modules is not None:
         raise ValueError("modules= selects blocks for regional=True; drop it or set regional=True")
-    targets = _select_modules(model, modules) if regional else [model]
+    targets = (
+        [m for _, m in find_blocks(model, modules, purpose="blocks to compile")]
+        if regional
+        else [model]
+    )
     available = compile_available(backend, device=_model_device(model))
     if not available:
         if not fallback:
@@ -380,16 +358,14 @@ def _scalar(out: Any) -> torch.Tensor | None:
 
 @contextlib.contextmanager
 def _eval_no_grad(model: Any) -> Iterator[None]:
-    mods = list(model.modules()) if isinstance(model, nn.Module) else []
-    flags = [m.training for m in mods]
+    flags = training_flags([model] if isinstance(model, nn.Module) else [])
     try:
         if isinstance(model, nn.Module):
             model.eval()
         with torch.no_grad():
             yield
     finally:
-        for m, flag in zip(mods, flags, strict=True):
-            m.training = flag
+        restore_training_flags(flags)
 
 
 def _recompile_limit_patch(n_shapes: int) -> contextlib.AbstractContextManager:
@@ -423,11 +399,10 @@ def warmup(
         raise ValueError("warmup(fn, ...) with backward=True needs params=; or backward=False")
     wrt = [p for p in (params or ()) if p.requires_grad]
     buffers = [b.detach().clone() for b in model_or_fn.buffers()] if is_module else []
-    devices = sorted({t.device.index or 0 for t in wrt if t.device.type == "cuda"})
     n_shapes = len(batches) * (2 if also_eval else 1)
     with (
         track_compiles() as stats,
-        torch.random.fork_rng(devices=devices),
+        torch.random.fork_rng(devices=cuda_devices(wrt)),
         _recompile_limit_patch(n_shapes),
     ):
         for batch in batches:

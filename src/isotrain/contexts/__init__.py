@@ -9,9 +9,11 @@ from isotrain.contexts._audit import StateAudit, StateLeakError, assert_isolated
 from isotrain.contexts._scoped import (
     AutocastInfo,
     autocast_if_available,
+    capture_rng_state,
     eval_mode,
     frozen,
     resolve_autocast,
+    restore_rng_state,
     rng_isolated,
     train_mode,
 )
@@ -22,9 +24,11 @@ __all__ = [
     "StateLeakError",
     "assert_isolated",
     "autocast_if_available",
+    "capture_rng_state",
     "eval_mode",
     "frozen",
     "resolve_autocast",
+    "restore_rng_state",
     "rng_isolated",
     "train_mode",
 ]

@@ -8,7 +8,6 @@ you pass) every training and ``requires_grad`` flag, then names each difference 
 from __future__ import annotations
 
 import functools
-import random
 import sys
 import warnings
 from collections.abc import Callable
@@ -16,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+
+from isotrain._shared import all_cuda_devices, capture_rng, restore_rng, rng_differences
 
 __all__ = ["StateAudit", "StateLeakError", "assert_isolated"]
 
@@ -67,40 +68,6 @@ _GLOBALS: dict[str, Callable[[], Any]] = {
     "float32 matmul precision": torch.get_float32_matmul_precision,
     "compiler stance": _compiler_stance,
 }
-
-
-def _rng_snapshot() -> dict[str, Any]:
-    states: dict[str, Any] = {
-        "Python random state": random.getstate(),
-        "torch RNG state": torch.get_rng_state(),
-    }
-    if torch.cuda.is_initialized():  # never initialise CUDA just to audit it
-        for i in range(torch.cuda.device_count()):
-            states[f"CUDA RNG state (device {i})"] = torch.cuda.get_rng_state(i)
-    np = sys.modules.get("numpy")  # not imported means its global RNG cannot have been used
-    if np is not None:
-        states["numpy RNG state"] = np.random.get_state()
-    return states
-
-
-def _same_rng(label: str, a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)  # byte tensors: a few microseconds, no hashing
-    if label == "numpy RNG state":  # ('MT19937', key array, pos, has_gauss, cached_gaussian)
-        np = sys.modules["numpy"]
-        return a[0] == b[0] and bool(np.array_equal(a[1], b[1])) and a[2:] == b[2:]
-    return a == b
-
-
-def _set_rng(label: str, state: Any) -> None:
-    if label == "Python random state":
-        random.setstate(state)
-    elif label == "torch RNG state":
-        torch.set_rng_state(state)
-    elif label == "numpy RNG state":
-        sys.modules["numpy"].random.set_state(state)
-    else:  # "CUDA RNG state (device i)"
-        torch.cuda.set_rng_state(state, int(label.rsplit(" ", 1)[1].rstrip(")")))
 
 
 def _module_flags(modules: tuple[nn.Module, ...]) -> tuple[list[tuple], list[tuple]]:
@@ -181,7 +148,7 @@ class StateAudit:
             raise RuntimeError("this StateAudit is already active; create one per block")
         self.differences = []
         self._globals = {label: read() for label, read in _GLOBALS.items()}
-        self._rng = _rng_snapshot() if self.check_rng else {}
+        self._rng = capture_rng(all_cuda_devices(initialized_only=True)) if self.check_rng else {}
         self._mods, self._params = _module_flags(self.modules)
         return self
 
@@ -204,10 +171,8 @@ class StateAudit:
             if after != before:
                 diffs.append(f"{label}: {before} -> {after}")
         if self.check_rng:
-            now = _rng_snapshot()
-            for label, before in self._rng.items():
-                if label in now and not _same_rng(label, before, now[label]):
-                    diffs.append(f"{label} changed")
+            now = capture_rng(all_cuda_devices(initialized_only=True))
+            diffs += [f"{label} changed" for label in rng_differences(self._rng, now)]
         for label, m, before in self._mods:
             if m.training != before:
                 diffs.append(f"module '{label}' training: {before} -> {m.training}")
@@ -225,8 +190,8 @@ class StateAudit:
         if self._before is None:
             raise RuntimeError("StateAudit.restore() needs a finished block: call it after `with`")
         _restore_globals(self._before)
-        for label, state in self._rng.items():
-            _set_rng(label, state)
+        if self._rng:
+            restore_rng(self._rng)
         for _, m, training in self._mods:
             m.training = training
         for _, p, requires_grad in self._params:

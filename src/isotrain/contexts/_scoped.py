@@ -8,8 +8,6 @@ its parent (a frozen BatchNorm in eval while the rest trains) all come back exac
 
 from __future__ import annotations
 
-import random
-import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -19,12 +17,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain._shared import (
+    all_cuda_devices,
+    capture_rng,
+    restore_rng,
+    restore_training_flags,
+    seed_rng,
+    training_flags,
+)
+
 __all__ = [
     "AutocastInfo",
     "autocast_if_available",
+    "capture_rng_state",
     "eval_mode",
     "frozen",
     "resolve_autocast",
+    "restore_rng_state",
     "rng_isolated",
     "train_mode",
 ]
@@ -54,12 +63,11 @@ def _one_or_all(modules: tuple[nn.Module, ...]) -> nn.Module | tuple[nn.Module, 
 
 @contextmanager
 def _restoring_training_flags(modules: tuple[nn.Module, ...]) -> Iterator[None]:
-    flags = {m: m.training for root in modules for m in root.modules()}
+    flags = training_flags(modules)
     try:
         yield
     finally:
-        for m, flag in flags.items():
-            m.training = flag
+        restore_training_flags(flags)
 
 
 @contextmanager
@@ -245,7 +253,7 @@ def autocast_if_available(
 def _cuda_indices(devices: Iterable[int | str | torch.device] | None) -> list[int]:
     if devices is None:
         # Like torch.random.fork_rng: capturing the states initialises CUDA if it is available.
-        return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        return all_cuda_devices()
     out = []
     for d in devices:
         dev = torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
@@ -273,48 +281,31 @@ def rng_isolated(
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if seed is not None:
         _try_import_numpy()  # so its state is captured before we seed it
-    np = sys.modules.get("numpy")  # not imported: nobody can have used its global RNG
     cuda = _cuda_indices(devices)
-    py_state = random.getstate()
-    cpu_state = torch.get_rng_state()
-    cuda_states = [torch.cuda.get_rng_state(i) for i in cuda]
-    # torch.manual_seed also reseeds these single-generator backends: keep them too
-    others = [(mod, mod.get_rng_state()) for mod in _other_accelerators()]
-    np_state = np.random.get_state() if np is not None else None
+    state = capture_rng(cuda)
     try:
         if seed is not None:
-            _seed_covered(seed, cuda, [mod for mod, _ in others], np)
+            seed_rng(seed, cuda)
         yield
     finally:
-        random.setstate(py_state)
-        torch.set_rng_state(cpu_state)
-        for i, state in zip(cuda, cuda_states, strict=True):
-            torch.cuda.set_rng_state(state, i)
-        for mod, state in others:
-            mod.set_rng_state(state)
-        if np_state is not None:
-            np.random.set_state(np_state)
+        restore_rng(state)
 
 
-def _seed_covered(seed: int, cuda: list[int], others: list[Any], np: Any) -> None:
-    # Seed only the generators we restore (torch.manual_seed would also reseed CUDA devices
-    # excluded by `devices=` and leak that into the rest of the run).
-    random.seed(seed)
-    torch.default_generator.manual_seed(seed)
-    for i in cuda:
-        torch.cuda.default_generators[i].manual_seed(seed)
-    for mod in others:
-        mod.manual_seed(seed)
-    if np is not None:
-        np.random.seed(seed % 2**32)
+def capture_rng_state() -> dict[str, Any]:
+    """Every global RNG state (Python, torch CPU, each CUDA device), loadable with
+    ``torch.load(weights_only=True)``: what a snapshot stores to resume bit for bit.
+
+    Example: ``state = capture_rng_state(); ...; restore_rng_state(state)``
+    """
+    return capture_rng(all_cuda_devices(), numpy=False)
 
 
-def _other_accelerators() -> list[Any]:
-    mods = [torch.mps] if torch.backends.mps.is_available() else []
-    xpu = getattr(torch, "xpu", None)
-    if xpu is not None and xpu.is_available():
-        mods.append(xpu)
-    return mods
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the global RNG states that :func:`capture_rng_state` returned.
+
+    Example: ``restore_rng_state(torch.load(path, weights_only=True)["rng"])``
+    """
+    restore_rng(state)
 
 
 def _try_import_numpy() -> None:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
+
 __all__ = [
     "FaultInjector",
     "Provenance",
@@ -48,6 +50,11 @@ def _float_leaves(obj: Any) -> list[torch.Tensor]:
 def _nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     flags = [(~t.detach().isfinite()).any() for t in tensors]
     return torch.stack([f.to(flags[0].device) for f in flags]).any() if flags else None
+
+
+def _current_rng() -> dict[str, Any]:
+    """The RNG states a failure case stores: loadable with weights_only=True (no numpy)."""
+    return capture_rng(all_cuda_devices(initialized_only=True), numpy=False)
 
 
 # -- provenance -------------------------------------------------------------------------------
@@ -96,10 +103,6 @@ def _run(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def _devices_for_rng() -> list[int]:
-    return [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-
-
 def find_nonfinite_source(
     model: nn.Module, batch: Any, *, rng_state: dict[str, Any] | None = None
 ) -> Provenance:
@@ -125,9 +128,12 @@ def find_nonfinite_source(
 
     handles = [m.register_forward_hook(hook) for m in names]
     try:
-        with torch.random.fork_rng(devices=_devices_for_rng()), torch.no_grad():
+        with (
+            torch.random.fork_rng(devices=all_cuda_devices(initialized_only=True)),
+            torch.no_grad(),
+        ):
             if rng_state is not None:
-                _set_rng(rng_state)
+                restore_rng(rng_state)
             flag_in = None if callable(batch) else _nonfinite(_float_leaves(batch))
             _run(model, batch)
     finally:
@@ -140,21 +146,6 @@ def find_nonfinite_source(
         inputs_nonfinite=bool(flag_in) if flag_in is not None else False,  # sync: as above
         nonfinite_modules=[n for n, _ in bad],
     )
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if "python" in state:
-        random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_failure_case(
@@ -194,7 +185,7 @@ def save_failure_case(
         "version": 1,
         "step": step,
         "inputs": to_cpu(inputs),
-        "rng": to_cpu(rng_state if rng_state is not None else _rng_state()),
+        "rng": to_cpu(rng_state if rng_state is not None else _current_rng()),
         "provenance": provenance.as_dict() if provenance is not None else None,
         "extra": to_cpu(extra or {}),
     }

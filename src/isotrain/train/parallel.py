@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from isotrain import BlockSpec, find_blocks
 from isotrain.train.config import ConfigError
 
 __all__ = [
@@ -135,18 +136,12 @@ def process_group_scope() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(
-            f"FSDP wraps each block of model.blocks, but {type(model).__name__} has no "
-            "nn.ModuleList named 'blocks'; call torch.distributed.fsdp.fully_shard yourself"
-        )
-    return list(blocks)
-
-
-def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
+def wrap_model(
+    model: nn.Module, mode: str, info: DistInfo, *, blocks: BlockSpec = None
+) -> nn.Module:
     """DDP wraps the whole model; FSDP2 shards each block, then the root (torch's own engine).
+
+    `blocks` picks the blocks as checkpointing and compile do (default: ModuleList children).
 
     Apply activation checkpointing and per-block compile (in place) first: FSDP2 keeps an
     instance-level `forward` override and a block's `_compiled_call_impl`, and keys stay clean.
@@ -158,7 +153,7 @@ def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in _blocks(model):
+        for _, block in find_blocks(model, blocks, purpose="blocks to shard"):
             fully_shard(block)
         fully_shard(model)
         return model

@@ -9,15 +9,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-import random
 import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
 from isotrain.train.dist_snapshot import (
     barrier,
@@ -41,19 +39,6 @@ log = logging.getLogger(__name__)
 SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "bias")
 
 
-def _rng_state() -> dict[str, Any]:
-    cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
-        torch.cuda.set_rng_state(s, i)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-
-
 def save_run(run: Run) -> Path | None:
     """Snapshot everything the run needs to continue bit for bit; returns its path on rank 0.
 
@@ -61,7 +46,7 @@ def save_run(run: Run) -> Path | None:
     FSDP every rank writes its shards. Otherwise rank 0 writes the one copy.
     """
     st, info = run.state, run.dist
-    rng = _rng_state()
+    rng = capture_rng_state()
     payload: dict[str, Any] = {
         "updater": run.updater.state_dict(),
         "train_state": dataclasses.asdict(st),
@@ -143,7 +128,7 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
     run.updater.load_state_dict(payload["updater"])
     for key, value in payload["train_state"].items():
         setattr(run.state, key, value)
-    _set_rng_state(rank_rng_state(payload, run.dist.rank))
+    restore_rng_state(rank_rng_state(payload, run.dist.rank))
     if payload.get("world_size", 1) != run.dist.world_size:
         log.warning(
             "resuming a snapshot of %s ranks with %d: batches and random streams differ from "
