@@ -55,8 +55,8 @@ from bench_trainer import (
     write_results,
 )
 from isotrain.guard import StepGuard
-from isotrain.train.loop import build_model
 from isotrain.train.optim import build_optimizer
+from isotrain.train.weights import build_model
 
 VARIANTS = "plain,isotrain,isotrain-noguard,fabric,accelerate"
 
@@ -89,7 +89,7 @@ class UpdateOnly:
     def __init__(self, shape: Shape, kind: str) -> None:
         cfg = train_config(shape)
         torch.manual_seed(0)
-        self.model = build_model(cfg)
+        self.model = build_model(cfg.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = build_optimizer(self.model, cfg.optim)
         x = torch.randint(0, 256, (shape.batch_size, shape.block_size))
@@ -153,18 +153,18 @@ def _update_ops(u: UpdateOnly) -> float:
 
 # --------------------------------------------------------------------------- cProfile split
 PHASES = {
-    "StepGuard.step (all)": "guard.py:step",
-    "_unscale": "guard.py:_unscale",
-    "_grad_norm (foreach norms)": "guard.py:_grad_norm",
-    "_decide (stack, where, spike check)": "guard.py:_decide",
-    "SpikeDetector.is_spike": "guard_recovery.py:is_spike",
-    "SpikeDetector.update": "guard_recovery.py:update",
+    "StepGuard.step (all)": "guard/_step.py:step",
+    "_unscale": "guard/_step.py:_unscale",
+    "_grad_norm (foreach norms)": "guard/_step.py:_grad_norm",
+    "_decide (stack, where, spike check)": "guard/_step.py:_decide",
+    "SpikeDetector.is_spike": "guard/_spikes.py:is_spike",
+    "SpikeDetector.update": "guard/_spikes.py:update",
     "clip_grads_with_norm_": "clip_grad.py:_clip_grads_with_norm_",
     "AdamW.step (fused)": "adam.py:step",
-    "_count": "guard.py:_count",
+    "_count": "guard/_step.py:_count",
     "zero_grad": "optimizer.py:zero_grad",
-    "train_step (all)": "loop.py:train_step",
-    "batch (get_batch)": "loop.py:batch",
+    "train_step (all)": "train/step.py:train_step",
+    "batch (Batches.get)": "train/step.py:get",
     "GPT.forward": "model.py:forward",
     "backward": "_tensor.py:backward",
     "lr_at + set_lr": "optim.py:set_lr",

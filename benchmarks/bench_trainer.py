@@ -51,8 +51,10 @@ from isotrain.train.config import (
     ModelConfig,
     TrainConfig,
 )
-from isotrain.train.loop import build_model, setup, train_step
+from isotrain.train.loop import setup
 from isotrain.train.optim import build_optimizer, lr_at
+from isotrain.train.step import train_step
+from isotrain.train.weights import build_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,7 +151,7 @@ class Variant:
 
     def build(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(self.cfg.seed)  # the same initial weights in every variant
-        model = build_model(self.cfg).to(self.device)
+        model = build_model(self.cfg.model).to(self.device)
         return model, build_optimizer(model, self.cfg.optim)  # fused AdamW, decay groups
 
     def lr(self) -> float:
@@ -624,7 +626,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "meta": meta,
         "args": vars(args),
         "shape": shape.label(),
-        "params": sum(p.numel() for p in build_model(params).parameters()),
+        "params": sum(p.numel() for p in build_model(params.model).parameters()),
         "variants": out,
         "notes": [],
     }

@@ -69,7 +69,8 @@ class SampleArgs:
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.loop import load_model, sample
+    from isotrain.train.sampling import sample
+    from isotrain.train.weights import load_model
 
     args = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
     model = load_model(args.run, which=args.which)

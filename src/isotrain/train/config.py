@@ -126,6 +126,10 @@ class GuardConfig:
     """Number of recent applied steps in the spike window."""
     rollback_after: int = 0
     """Roll back to the last good copy after this many consecutive skips (0 disables)."""
+    rollback_check_every: int = 10
+    """Read the skip counters for a rollback decision every N steps (a host sync on GPUs)."""
+    rollback_copy_every: int = 100
+    """Refresh the last good copy after this many applied steps (at a check with no skip)."""
     inject_nan_at: tuple[int, ...] = ()
     """Fault injection: make the loss NaN at these steps (numbered as in the logs, from 1)."""
 
@@ -336,4 +340,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     _check(0 <= cfg.quant.bits <= 16, "quant.bits", cfg.quant.bits, "use 0 (off) or 1..16")
     _check(cfg.guard.spike_k >= 0, "guard.spike_k", cfg.guard.spike_k, "use 0 (off) or > 0")
     _check(cfg.guard.spike_window >= 2, "guard.spike_window", cfg.guard.spike_window, "use >= 2")
+    g = cfg.guard
+    _check(g.rollback_after >= 0, "guard.rollback_after", g.rollback_after, "use 0 (off) or more")
+    for path, value in [
+        ("guard.rollback_check_every", g.rollback_check_every),
+        ("guard.rollback_copy_every", g.rollback_copy_every),
+    ]:
+        _check(value > 0, path, value, "it must be a positive integer")
     return cfg

@@ -1,17 +1,15 @@
-"""The training loop: `TrainState`, `setup`, `train_step`, `evaluate`, `sample`, `train`.
+"""The training loop: `setup` builds a `Run`, `train` runs it end to end.
 
-Users with a loop of their own call the same small functions. The step makes no host-device
-sync: loss, gradient norm and skip decision stay on the device until a log step reads them.
+`train` reads as the recipe: setup, maybe resume, warm up, then evaluate / snapshot /
+`train_step` / log until the last step. The step itself is in `step.py`, usable on its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,80 +18,29 @@ from torch import nn
 
 from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
-from isotrain.compile import compile_counters, compile_model, default_buckets, no_recompiles, warmup
-from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
+from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
+from isotrain.contexts import rng_isolated
 from isotrain.train import data as data_mod
-from isotrain.train.config import ConfigError, ModelConfig, TrainConfig, validate
-from isotrain.train.dist_snapshot import load_full_model
+from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.model import GPT, Block
-from isotrain.train.optim import build_optimizer, lr_at, set_lr
+from isotrain.train.optim import build_optimizer
 from isotrain.train.parallel import (
     DistInfo,
-    all_reduce_mean,
     any_rank,
     init_distributed,
-    no_grad_sync,
     process_group_scope,
     wrap_model,
 )
 from isotrain.train.report import MetricsWriter, Reporter
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
-from isotrain.train.snapshot import find_snapshots, load_snapshot
-from isotrain.train.updater import Updater, build_updater
+from isotrain.train.sampling import sample
+from isotrain.train.snapshot import find_snapshots
+from isotrain.train.state import Run, TrainState
+from isotrain.train.step import Batches, bucket_lengths, evaluate, precision_context, train_step
+from isotrain.train.updater import build_updater
+from isotrain.train.weights import build_model
 
-__all__ = [
-    "Run",
-    "TrainState",
-    "build_model",
-    "evaluate",
-    "load_model",
-    "model_from_snapshot",
-    "sample",
-    "setup",
-    "train",
-    "train_step",
-]
-
-
-@dataclass
-class TrainState:
-    """The counters a resumed run continues from (tensors live in the snapshot beside them)."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    best_val: float = math.inf
-    last_val: float | None = None
-
-
-@dataclass
-class Run:
-    """Everything `setup` builds. `model` is the raw module (sampling, snapshots);
-    `train_model` is what the step calls (checkpointed, compiled, DDP/FSDP-wrapped)."""
-
-    cfg: TrainConfig
-    dist: DistInfo
-    corpus: data_mod.Corpus
-    model: GPT
-    train_model: nn.Module
-    optimizer: torch.optim.Optimizer
-    updater: Updater
-    state: TrainState = field(default_factory=TrainState)
-    doc_starts: dict[str, Any] = field(default_factory=dict)
-    compile_seconds: float = 0.0
-    compile_base: Any = None  # compile counters right after warm-up
-
-
-def build_model(cfg: TrainConfig) -> GPT:
-    """The GPT of `cfg.model` (on the CPU, in fp32)."""
-    return GPT(cfg.model)
-
-
-def _autocast(run: Run) -> contextlib.AbstractContextManager[Any]:
-    """The precision context for forward passes; fp32 means none."""
-    if run.cfg.precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if run.cfg.precision == "bf16" else torch.float16
-    return autocast_if_available(dtype, device=run.dist.device)
+__all__ = ["prepare_model", "setup", "start", "train"]
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -108,14 +55,13 @@ def setup(cfg: TrainConfig) -> Run:
         bin_dtype=cfg.data.bin_dtype,
     )
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
-    model = build_model(cfg).to(info.device)
-    run = Run(cfg, info, corpus, model, model, None, None)  # type: ignore[arg-type]
-    if cfg.data.varlen:
-        run.doc_starts = {s: data_mod.document_starts(getattr(corpus, s)) for s in ("train", "val")}
-    run.train_model = prepare_model(cfg, model, info, example=batch(run, "train", 0)[:2])
-    run.optimizer = build_optimizer(model, cfg.optim)
-    run.updater = build_updater(cfg, model, run.optimizer, info)
-    return run
+    batches = Batches.from_config(cfg, corpus, info)
+    model = build_model(cfg.model).to(info.device)
+    example = batches.get("train", 0)[:2]
+    train_model = prepare_model(cfg, model, info, example=example)
+    optimizer = build_optimizer(model, cfg.optim)
+    updater = build_updater(cfg, model, optimizer, info)
+    return Run(cfg, info, batches, model, train_model, optimizer, updater)
 
 
 def prepare_model(
@@ -144,107 +90,6 @@ def prepare_model(
             dynamic=False if cfg.data.varlen else None,
         )
     return wrap_model(model, cfg.parallel.mode, info)
-
-
-def buckets(cfg: TrainConfig) -> tuple[int, ...]:
-    """The padded lengths of variable-length mode (or the one fixed length)."""
-    if not cfg.data.varlen:
-        return (cfg.model.block_size,)
-    return cfg.data.buckets or default_buckets(cfg.model.block_size)
-
-
-def batch(
-    run: Run, split: str, step: int, micro: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Inputs, targets (on the device) and real target tokens of one micro-batch of `split`."""
-    cfg, d = run.cfg, run.dist
-    kw = dict(
-        batch_size=cfg.data.batch_size,
-        seed=cfg.seed,
-        step=step,
-        micro=micro,
-        rank=d.rank,
-        world_size=d.world_size,
-        stream=data_mod.TRAIN if split == "train" else data_mod.VAL,
-    )
-    tokens = getattr(run.corpus, split)
-    if cfg.data.varlen:
-        x, y, n = data_mod.get_doc_batch(tokens, run.doc_starts[split], buckets=buckets(cfg), **kw)
-    else:
-        x, y = data_mod.get_batch(tokens, block_size=cfg.model.block_size, **kw)
-        n = y.numel()
-    return x.to(d.device), y.to(d.device), n
-
-
-def train_step(run: Run) -> Any:
-    """One optimizer step over `grad_accum` micro-batches; returns the device-side outcome."""
-    cfg, st = run.cfg, run.state
-    loss_sum: torch.Tensor | None = None
-    for micro in range(cfg.grad_accum):
-        x, y, n = batch(run, "train", st.step, micro)
-        last = micro == cfg.grad_accum - 1
-        with no_grad_sync(run.train_model, sync=last), _autocast(run):
-            loss = run.train_model(x, y)
-        if cfg.grad_accum > 1:  # one micro-batch: no extra ops on the step's fixed cost
-            loss = loss / cfg.grad_accum
-        used = run.updater.backward(loss, st.step)
-        loss_sum = used if loss_sum is None else loss_sum.detach() + used.detach()
-        st.tokens_seen += n * run.dist.world_size
-    set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
-    outcome = run.updater.step(loss_sum, st.step)
-    st.step += 1
-    return outcome
-
-
-def evaluate(run: Run) -> float:
-    """Mean validation loss over a fixed set of batches, averaged over ranks."""
-    total = torch.zeros((), device=run.dist.device)
-    with eval_mode(run.train_model), rng_isolated():
-        for i in range(run.cfg.eval_batches):
-            x, y, _ = batch(run, "val", i)
-            with _autocast(run):
-                total += run.train_model(x, y).float()
-    return float(all_reduce_mean(total / run.cfg.eval_batches))  # sync: evaluation result
-
-
-def sample(
-    model: GPT,
-    prompt: str,
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.8,
-    top_k: int | None = 50,
-    seed: int = 0,
-) -> str:
-    """Text generated from `prompt`; leaves modes and every global RNG as they were."""
-    tok = data_mod.ByteTokenizer()
-    device = next(model.parameters()).device
-    idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    # Every prompt length is a new shape: run compiled blocks eagerly rather than recompile.
-    with eval_mode(model), torch.compiler.set_stance("force_eager"):
-        out = model.generate(
-            idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen
-        )
-    return tok.decode(out[0, idx.size(1) :])
-
-
-def load_model(source: str, *, which: str = "latest") -> GPT:
-    """The GPT of a run directory's snapshot or of an exported `.safetensors` file (CPU)."""
-    if source.endswith(".safetensors"):
-        from isotrain.train.export import load_safetensors
-
-        return load_safetensors(source)
-    return model_from_snapshot(*load_snapshot(source, which=which))
-
-
-def model_from_snapshot(payload: dict[str, Any], path: Path) -> GPT:
-    """The GPT a loaded snapshot describes, with its weights (on the CPU)."""
-    model = build_model(TrainConfig(model=ModelConfig(**payload["config"]["model"])))
-    if payload.get("sharded"):  # an FSDP run: gather every rank's shards into one model
-        return load_full_model(path, model)
-    model.load_state_dict(payload["model"])
-    return model
 
 
 def _log(
@@ -288,7 +133,7 @@ def _evaluate_and_record(
     )
 
 
-def _start(cfg: TrainConfig) -> Run:
+def start(cfg: TrainConfig) -> Run:
     """Setup, then resume when the run directory holds a snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
@@ -299,17 +144,18 @@ def _start(cfg: TrainConfig) -> Run:
             f"--out-dir {cfg.out_dir} already holds a run; pass --resume {cfg.out_dir} to "
             "continue it, or choose another --out-dir"
         )
-    maybe_resume(run, required=cfg.resume is not None)
+    if maybe_resume(run, required=cfg.resume is not None):
+        run.updater.mark_good(run.state.step)  # rollback returns here, never to the fresh init
     return run
 
 
 def train(cfg: TrainConfig) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log."""
     with process_group_scope(), rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
-        run = _start(cfg)
+        run = start(cfg)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         out, tb = Path(cfg.out_dir), cfg.report.tensorboard
-        baseline = data_mod.unigram_entropy(run.corpus)
+        baseline = data_mod.unigram_entropy(run.batches.corpus)
         with (
             contextlib.closing(MetricsWriter(out, enabled=main, tensorboard=tb)) as metrics,
             Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter,
@@ -361,9 +207,9 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
     cfg = run.cfg
     shapes = [
         (torch.zeros(cfg.data.batch_size, n, dtype=torch.long, device=run.dist.device),) * 2
-        for n in buckets(cfg)
+        for n in bucket_lengths(cfg)
     ]
-    with _autocast(run):
+    with precision_context(cfg.precision, run.dist.device):
         stats = warmup(run.model, shapes, also_eval=True)
     run.compile_seconds, run.compile_base = stats.wall_seconds, compile_counters()
     metrics.write(
@@ -381,7 +227,7 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
 
 def _facts(run: Run, first: int) -> list[str]:
     lines = [
-        run.corpus.describe(),
+        run.batches.corpus.describe(),
         f"model: {run.model.num_params():,} parameters",
         f"device: {run.dist.device}, world size {run.dist.world_size}",
     ]

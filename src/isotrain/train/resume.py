@@ -13,7 +13,7 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
@@ -27,9 +27,7 @@ from isotrain.train.dist_snapshot import (
 )
 from isotrain.train.report import METRICS_FILE
 from isotrain.train.snapshot import find_snapshots, load_snapshot, save_snapshot
-
-if TYPE_CHECKING:
-    from isotrain.train.loop import Run
+from isotrain.train.state import Run
 
 __all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]
 

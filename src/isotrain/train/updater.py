@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from isotrain.guard import FaultInjector, Rollback, StepGuard, StepOutcome
+from isotrain.guard import FaultInjector, Rollback, RollbackAction, StepGuard, StepOutcome
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo, all_reduce_mean
 
@@ -26,6 +26,8 @@ class Updater(Protocol):
     def step(self, loss: torch.Tensor, step: int) -> Any: ...
     def read(self, outcome: Any) -> dict[str, Any]: ...
     def lr_factor(self, step: int) -> float: ...
+    def recover(self, step: int) -> Any: ...
+    def mark_good(self, step: int) -> None: ...
     def totals(self) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -78,6 +80,12 @@ class PlainUpdater:
     def lr_factor(self, step: int) -> float:
         return 1.0
 
+    def recover(self, step: int) -> None:
+        """No recovery without the guard: nothing was skipped."""
+
+    def mark_good(self, step: int) -> None:
+        """Nothing to remember without a rollback."""
+
     def totals(self) -> dict[str, Any]:
         return {}
 
@@ -93,7 +101,8 @@ class GuardedUpdater(PlainUpdater):
     """isotrain.guard's StepGuard: non-finite or spiking steps are skipped on the device.
 
     With `--guard.rollback-after N`, a Rollback restores the last good weights once N
-    consecutive steps were skipped; it is checked at log steps, where the loop syncs anyway.
+    consecutive steps were skipped. `recover` decides, every `--guard.rollback-check-every`
+    steps (a cadence of its own: logging never changes training).
     """
 
     def __init__(
@@ -116,10 +125,12 @@ class GuardedUpdater(PlainUpdater):
             spike_min_samples=min(16, g.spike_window),
         )
         self.rollback = (
-            Rollback(model, optimizer, every=cfg.log_every, patience=g.rollback_after)
+            Rollback(model, optimizer, every=g.rollback_copy_every, patience=g.rollback_after)
             if g.rollback_after
             else None
         )
+        self.check_every = g.rollback_check_every
+        self.last_action: RollbackAction | None = None
 
     def step(self, loss: torch.Tensor, step: int) -> StepOutcome:
         return self.guard.step(loss)
@@ -129,11 +140,25 @@ class GuardedUpdater(PlainUpdater):
         s = self.guard.summary()
         rec.update(skipped_total=s["skipped"], skipped_by_reason=s["skipped_by_reason"])
         if self.rollback is not None:
-            action = self.rollback.check(self.guard.steps, self.guard)
             rec["rollbacks"] = self.rollback.rollbacks
-            if action is not None:
-                rec["rolled_back_to"] = action.restored_step
+            if self.last_action is not None:
+                rec["rolled_back_to"] = self.last_action.restored_step
         return rec
+
+    def recover(self, step: int) -> RollbackAction | None:
+        """Every `check_every` steps: roll back after `rollback_after` consecutive skips."""
+        if self.rollback is None or (step + 1) % self.check_every:
+            return None
+        action = self.rollback.check(step + 1, self.guard)  # sync: its own cadence
+        if action is not None:
+            self.last_action = action
+        return action
+
+    def mark_good(self, step: int) -> None:
+        """Take the last good copy now (after a resume: the loaded weights)."""
+        if self.rollback is not None:
+            applied = self.guard.summary()["applied"]  # sync: once, at resume
+            self.rollback.snapshot(step=step, applied=applied)
 
     def lr_factor(self, step: int) -> float:
         return self.rollback.lr_factor(step) if self.rollback is not None else 1.0

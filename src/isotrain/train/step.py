@@ -1,0 +1,133 @@
+"""One training step, read top to bottom: batch, forward, backward, guarded update, recovery.
+
+`train_step` needs a `Run`, not `setup`: build one from your own model, optimizer and
+`Updater` to reuse the step in your loop. The step makes no host-device sync: loss, gradient
+norm and skip decision stay on the device until a log step reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from isotrain.compile import default_buckets
+from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
+from isotrain.train import data as data_mod
+from isotrain.train.config import TrainConfig
+from isotrain.train.optim import lr_at, set_lr
+from isotrain.train.parallel import DistInfo, all_reduce_mean, no_grad_sync
+from isotrain.train.state import Run
+
+__all__ = ["Batches", "bucket_lengths", "evaluate", "forward", "precision_context", "train_step"]
+
+
+def bucket_lengths(cfg: TrainConfig) -> tuple[int, ...]:
+    """The padded lengths of variable-length mode (or the one fixed length)."""
+    if not cfg.data.varlen:
+        return (cfg.model.block_size,)
+    return cfg.data.buckets or default_buckets(cfg.model.block_size)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Micro-batch `micro` of `step` on this rank: a pure function of (seed, step, micro, rank)."""
+
+    corpus: data_mod.Corpus
+    batch_size: int
+    block_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    buckets: tuple[int, ...] | None = None  # variable-length mode: documents padded to these
+    doc_starts: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, corpus: data_mod.Corpus, info: DistInfo) -> Batches:
+        """The batches `cfg` asks for, drawn from `corpus` for this rank."""
+        varlen = cfg.data.varlen
+        return cls(
+            corpus,
+            cfg.data.batch_size,
+            cfg.model.block_size,
+            cfg.seed,
+            info.rank,
+            info.world_size,
+            info.device,
+            bucket_lengths(cfg) if varlen else None,
+            {s: data_mod.document_starts(getattr(corpus, s)) for s in ("train", "val")}
+            if varlen
+            else {},
+        )
+
+    def get(self, split: str, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Inputs, targets (on the device) and the number of real target tokens."""
+        kw = dict(
+            batch_size=self.batch_size,
+            seed=self.seed,
+            step=step,
+            micro=micro,
+            rank=self.rank,
+            world_size=self.world_size,
+            stream=data_mod.TRAIN if split == "train" else data_mod.VAL,
+        )
+        tokens = getattr(self.corpus, split)
+        if self.buckets is not None:
+            x, y, n = data_mod.get_doc_batch(
+                tokens, self.doc_starts[split], buckets=self.buckets, **kw
+            )
+        else:
+            x, y = data_mod.get_batch(tokens, block_size=self.block_size, **kw)
+            n = y.numel()
+        return x.to(self.device), y.to(self.device), n
+
+
+def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context of `precision` ("fp32": none) for forward passes on `device`."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return autocast_if_available(dtype, device=device)
+
+
+def forward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean loss of one micro-batch, under the run's precision."""
+    with precision_context(run.cfg.precision, run.dist.device):
+        return run.train_model(x, y)
+
+
+def train_step(run: Run) -> Any:
+    """One optimizer step over `grad_accum` micro-batches; returns the device-side outcome."""
+    cfg, st = run.cfg, run.state
+    loss_sum: torch.Tensor | None = None
+    for micro in range(cfg.grad_accum):
+        x, y, n = run.batches.get("train", st.step, micro)
+        # Gradients reduce across ranks only on the last micro-batch's backward.
+        with no_grad_sync(run.train_model, sync=micro == cfg.grad_accum - 1):
+            loss = forward(run, x, y)
+            if cfg.grad_accum > 1:  # one micro-batch: no extra op on the step's fixed cost
+                loss = loss / cfg.grad_accum
+            used = run.updater.backward(loss, st.step)
+        loss_sum = used if loss_sum is None else loss_sum.detach() + used.detach()
+        st.tokens_seen += n * run.dist.world_size
+    set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
+    outcome = run.updater.step(loss_sum, st.step)
+    run.updater.recover(st.step)  # roll back after too many skips (its own cadence)
+    st.step += 1
+    return outcome
+
+
+def evaluate(run: Run) -> float:
+    """Mean validation loss over a fixed set of batches, averaged over ranks."""
+    total = torch.zeros((), device=run.dist.device)
+    model: nn.Module = run.train_model
+    with eval_mode(model), rng_isolated():
+        for i in range(run.cfg.eval_batches):
+            x, y, _ = run.batches.get("val", i)
+            total += forward(run, x, y).float()
+    return float(all_reduce_mean(total / run.cfg.eval_batches))  # sync: evaluation result
