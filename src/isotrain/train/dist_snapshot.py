@@ -15,7 +15,6 @@ All ranks must see the run directory (one node, or a shared filesystem across no
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import warnings
@@ -27,17 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.train.config import ConfigError
-from isotrain.train.snapshot import (
-    FORMAT_VERSION,
-    SHARDS,
-    _fsync_dir,
-    _meta,
-    _prune,
-    _read_pointer,
-    _sha256,
-    _write_atomic,
-    check_shard_files,
-)
+from isotrain.train.snapshot import SHARDS, check_shard_files, publish, temp_dir
 
 __all__ = [
     "SHARDS",
@@ -119,11 +108,11 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank, world = _world()
-    root, name = Path(run_dir) / "snapshots", f"step_{step:07d}"
+    root = Path(run_dir) / "snapshots"
     token = [os.getpid()]  # rank 0 names the temporary directory that every rank writes into
     if world > 1:
         dist.broadcast_object_list(token, src=0)
-    final, tmp = root / name, root / f".tmp_{name}_{token[0]}"
+    tmp = temp_dir(root, step, token[0])
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,55 +122,15 @@ def save_sharded(
     save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDS)
     barrier()  # every rank's shards are on disk before rank 0 publishes the directory
     if rank == 0:
-        _publish(root, tmp, final, payload, step=step, val_loss=val_loss, keep=keep)
+        publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
     barrier()  # nobody moves on (or exits) before the snapshot is complete
-    return final
+    return root / f"step_{step:07d}"
 
 
 def barrier() -> None:
     """Wait for every rank (nothing to wait for in a world of one)."""
     if _world()[1] > 1:
         dist.barrier()
-
-
-def _publish(
-    root: Path,
-    tmp: Path,
-    final: Path,
-    payload: dict[str, Any],
-    *,
-    step: int,
-    val_loss: float | None,
-    keep: int,
-) -> None:
-    """Rank 0: state.pt and meta.json into `tmp`, rename it to `final`, move the pointers."""
-    with (tmp / "state.pt").open("wb") as f:
-        torch.save({"format_version": FORMAT_VERSION, **payload, "sharded": True}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    shards = tmp / SHARDS
-    files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "val_loss": val_loss,
-        "sha256": _sha256(tmp / "state.pt"),
-        "sharded": True,
-        "world_size": payload.get("world_size"),
-        "shard_files": files,
-    }
-    _fsync_dir(shards)
-    _write_atomic(tmp / "meta.json", json.dumps(meta).encode())
-    if final.exists():  # re-saving the same step (the final snapshot): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / "LATEST", final.name.encode())
-    best = _read_pointer(root / "BEST")
-    best_loss = _meta(root / best).get("val_loss") if best and (root / best).exists() else None
-    if val_loss is not None and (best_loss is None or val_loss <= best_loss):
-        _write_atomic(root / "BEST", final.name.encode())
-    _prune(root, keep)
 
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

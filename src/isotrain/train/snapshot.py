@@ -25,7 +25,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "SnapshotError", "find_snapshots", "load_snapshot", "save_snapshot"]
+__all__ = [
+    "FORMAT_VERSION",
+    "SnapshotError",
+    "find_snapshots",
+    "load_snapshot",
+    "publish",
+    "save_snapshot",
+    "temp_dir",
+]
 
 FORMAT_VERSION = 1
 SHARDS = "shards"  # the DCP directory inside an FSDP snapshot
@@ -75,20 +83,43 @@ def save_snapshot(
     """Write `payload` as the snapshot of `step`; update LATEST (and BEST); prune old ones."""
     root = Path(run_dir) / "snapshots"
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:07d}"
-    final, tmp = root / name, root / f".tmp_{name}_{os.getpid()}"
+    tmp = temp_dir(root, step, os.getpid())
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    return publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
+
+
+def temp_dir(root: Path, step: int, token: int) -> Path:
+    """Where the snapshot of `step` is written before `publish` renames it into place."""
+    return root / f".tmp_step_{step:07d}_{token}"
+
+
+def publish(
+    tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None, keep: int
+) -> Path:
+    """Complete the snapshot in `tmp` (state.pt, meta.json), rename it, move the pointers.
+
+    `tmp` may already hold FSDP shards (`shards/`): they are listed in meta.json with sizes.
+    Returns the final directory.
+    """
+    root, name = tmp.parent, f"step_{step:07d}"
+    final = root / name
+    sharded = (tmp / SHARDS).is_dir()
     with (tmp / "state.pt").open("wb") as f:
-        torch.save({"format_version": FORMAT_VERSION, **payload}, f)
+        torch.save({"format_version": FORMAT_VERSION, **payload, "sharded": sharded}, f)
         f.flush()
         os.fsync(f.fileno())
-    meta = {
+    meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "val_loss": val_loss,
         "sha256": _sha256(tmp / "state.pt"),
     }
+    if sharded:
+        shards = tmp / SHARDS
+        files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
+        meta.update(sharded=True, world_size=payload.get("world_size"), shard_files=files)
+        _fsync_dir(shards)
     _write_atomic(tmp / "meta.json", json.dumps(meta).encode())
     if final.exists():  # re-saving the same step (e.g. the final snapshot): replace it
         shutil.rmtree(final)
