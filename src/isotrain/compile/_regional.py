@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from isotrain._shared import (
     BlockSpec,
@@ -33,6 +32,19 @@ from isotrain._shared import (
     find_blocks,
     restore_training_flags,
     training_flags,
+)
+from isotrain._torch_private import (
+    compile_metrics,
+    compiled_call,
+    dynamo_backends,
+    dynamo_supported,
+    eager_call,
+    has_triton,
+    is_dynamo_error,
+    is_recompile_error,
+    recompile_limit_at_least,
+    set_compiled_call,
+    tree_leaves,
 )
 
 __all__ = [
@@ -78,13 +90,13 @@ def compile_available(
 
     Example: ``ok, reason = compile_available("inductor", device="cpu")``.
     """
-    if not torch._dynamo.is_dynamo_supported():
+    if not dynamo_supported():
         return CompileAvailability(False, f"torch.compile is not supported on Python {sys.version}")
     if callable(backend):
         return CompileAvailability(True, f"custom backend {getattr(backend, '__name__', backend)}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a name or a callable, got {type(backend).__name__}")
-    known = torch._dynamo.list_backends(exclude_tags=())
+    known = dynamo_backends()
     if backend not in known:
         return CompileAvailability(False, f"unknown backend {backend!r}; known: {known}")
     dev = torch.device(device).type
@@ -99,8 +111,6 @@ def compile_available(
             return CompileAvailability(False, f"inductor on CPU needs Python headers ({header})")
         return CompileAvailability(True, f"inductor on CPU with {cxx}")
     if dev == "cuda":
-        from torch.utils._triton import has_triton
-
         if not torch.cuda.is_available():
             return CompileAvailability(False, "device is cuda but torch.cuda is not available")
         if not has_triton():
@@ -117,11 +127,6 @@ def compile_available(
 # compiled path. If it succeeds, compiling is what broke: warn once and switch every module of
 # the same compile_model call back to eager for good. Recompile errors of no_recompiles() are
 # not compile failures and always propagate.
-def _is_recompile_error(err: BaseException) -> bool:
-    names = ("RecompileError", "FailOnRecompileLimitHit")
-    return isinstance(err, tuple(getattr(torch._dynamo.exc, n, ()) for n in names))
-
-
 class _FallbackGroup:
     """The modules of one compile_model call: they fall back to eager together."""
 
@@ -130,7 +135,7 @@ class _FallbackGroup:
 
     def disable(self, err: BaseException) -> None:
         for m in self.modules:
-            m._compiled_call_impl = None
+            set_compiled_call(m, None)
         if not self.failed:
             self.failed = True
             first = (str(err).strip().splitlines() or [""])[0][:300]
@@ -152,11 +157,11 @@ class _GuardedCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            if _is_recompile_error(err):
+        except Exception as err:
+            if not is_dynamo_error(err) or is_recompile_error(err):
                 raise
             try:
-                out = self.module._call_impl(*args, **kwargs)
+                out = eager_call(self.module, *args, **kwargs)
             except Exception as eager_err:
                 raise eager_err from err  # the user's error: keep the compiled path
             self.group.disable(err)
@@ -222,7 +227,7 @@ def compile_model(
     for m in targets:
         m.compile(**kwargs)
         if fallback:
-            m._compiled_call_impl = _GuardedCall(m, m._compiled_call_impl, group)
+            set_compiled_call(m, _GuardedCall(m, compiled_call(m), group))
             group.modules.append(m)
     return model
 
@@ -260,9 +265,7 @@ _TIME_KEYS = ("_compile.compile_inner", "backward._backward_impl")
 
 
 def _snapshot() -> dict[str, Any]:
-    from torch._dynamo import utils
-
-    c, times = utils.counters, utils.compilation_time_metrics
+    c, times, metrics = compile_metrics()
     unimplemented = c.get("unimplemented", {})
     return {  # "metrics" also keeps its entries alive, so their ids stay unique
         "ok": c["frames"]["ok"],
@@ -270,14 +273,13 @@ def _snapshot() -> dict[str, Any]:
         "breaks": sum(c["graph_break"].values()),
         "limit": sum(n for k, n in unimplemented.items() if "recompile limit" in k.lower()),
         "times": [len(times.get(k, ())) for k in _TIME_KEYS],
-        "metrics": tuple(utils.get_compilation_metrics()),
+        "metrics": metrics,
         "wall": time.perf_counter(),
     }
 
 
 def _fill(stats: CompileStats, a: dict[str, Any] | None, b: dict[str, Any]) -> CompileStats:
-    from torch._dynamo.utils import compilation_time_metrics as times
-
+    times = compile_metrics()[1]
     a = a or {k: 0 for k in ("ok", "failed", "breaks", "limit", "wall")} | {"times": [0, 0]}
     seen = {id(m) for m in a.get("metrics", ())}
     stats.recompile_reasons = [
@@ -330,11 +332,7 @@ def no_recompiles() -> Iterator[None]:
 
     Example: ``with no_recompiles(): train_steps(model)`` after ``warmup(...)``.
     """
-    if hasattr(torch.compiler, "set_stance"):
-        stance = torch.compiler.set_stance("fail_on_recompile")
-    else:  # torch < 2.6
-        stance = torch._dynamo.config.patch(error_on_recompile=True)
-    with stance:
+    with torch.compiler.set_stance("fail_on_recompile"):
         yield
 
 
@@ -368,12 +366,6 @@ def _eval_no_grad(model: Any) -> Iterator[None]:
         restore_training_flags(flags)
 
 
-def _recompile_limit_patch(n_shapes: int) -> contextlib.AbstractContextManager:
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    return cfg.patch(**{name: max(getattr(cfg, name), n_shapes + 1)})
-
-
 def warmup(
     model_or_fn: nn.Module | Callable[..., Any],
     example_batches: Iterable[Any],
@@ -403,7 +395,7 @@ def warmup(
     with (
         track_compiles() as stats,
         torch.random.fork_rng(devices=cuda_devices(wrt)),
-        _recompile_limit_patch(n_shapes),
+        recompile_limit_at_least(n_shapes + 1),
     ):
         for batch in batches:
             args, kwargs = _as_call(batch)

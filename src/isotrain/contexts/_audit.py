@@ -8,7 +8,6 @@ you pass) every training and ``requires_grad`` flag, then names each difference 
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng, rng_differences
+from isotrain._torch_private import compiler_stance
 
 __all__ = ["StateAudit", "StateLeakError", "assert_isolated"]
 
@@ -35,21 +35,6 @@ class StateLeakError(AssertionError):
         super().__init__(f"state leaked from the block ({len(self.differences)}):\n{lines}")
 
 
-def _compiler_stance() -> str:
-    # Read only if dynamo is loaded: if it isn't, nobody can have changed the stance (and
-    # importing it would cost seconds).
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    stance = getattr(eval_frame, "_stance", None)
-    if stance is None:
-        return "default"
-    text = str(stance.stance)
-    if stance.skip_guard_eval_unsafe:
-        text += " (skip_guard_eval_unsafe)"
-    if stance.backend is not None:
-        text += f" (backend={stance.backend!r})"
-    return text
-
-
 # label -> reader: scalar global state, reported as "label: before -> after"
 _GLOBALS: dict[str, Callable[[], Any]] = {
     "grad mode": torch.is_grad_enabled,
@@ -66,7 +51,7 @@ _GLOBALS: dict[str, Callable[[], Any]] = {
     "anomaly mode": torch.is_anomaly_enabled,
     "anomaly check_nan": torch.is_anomaly_check_nan_enabled,
     "float32 matmul precision": torch.get_float32_matmul_precision,
-    "compiler stance": _compiler_stance,
+    "compiler stance": compiler_stance,
 }
 
 

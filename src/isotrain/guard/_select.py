@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from isotrain._torch_private import foreach_copy_
+
 __all__ = ["SelectiveStep"]
 
 # NOTE [skip modes]
@@ -92,7 +94,7 @@ class SelectiveStep:
         if not same:  # (re)allocate once; reused every step while the state tensors stay the same
             self._src, self._copies = tensors, [torch.empty_like(t) for t in tensors]
         if tensors:
-            torch._foreach_copy_(self._copies, tensors)
+            foreach_copy_(self._copies, tensors)
         return fresh, host_state
 
     def _step(self, ok: torch.Tensor) -> None:

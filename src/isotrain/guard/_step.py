@@ -18,8 +18,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
 
+from isotrain._torch_private import (
+    foreach_norms,
+    group_by_device_and_dtype,
+    scaler_optimizer_state,
+    scaler_scale,
+    supports_found_inf,
+)
 from isotrain.guard._outcome import (
     _FLAG_CODES,
     SkipReason,
@@ -246,9 +252,7 @@ class StepGuard:
 
     @staticmethod
     def _resolve_mode(mode: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
-        fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
-            g.get("fused") for g in optimizer.param_groups
-        )
+        fused = supports_found_inf(optimizer)
         if mode == "auto":
             return "host" if device.type == "cpu" else "found_inf" if fused else "select"
         if mode not in ("host", "select", "found_inf") or (mode == "found_inf" and not fused):
@@ -262,10 +266,11 @@ class StepGuard:
         if self.scaler is None:
             return self._one, None
         sc = self.scaler
-        if sc._scale is None:
+        current = scaler_scale(sc)
+        if current is None:
             raise RuntimeError("StepGuard: call scaler.scale(loss).backward() before guard.step")
-        scale = sc._scale.detach().float().clone()  # before update() changes it in place
-        state = sc._per_optimizer_states[id(self.optimizer)]
+        scale = current.detach().float().clone()  # before update() changes it in place
+        state = scaler_optimizer_state(sc, self.optimizer)
         if state["stage"].name != "UNSCALED":  # the user may have unscaled already
             sc.unscale_(self.optimizer)
         infs = [
@@ -285,12 +290,9 @@ class StepGuard:
             self._grad_per, self._grad_order = None, ([], [])
             return grads, torch.zeros((), device=self.device)  # type: ignore[return-value]
         norms, order = [], []
-        groups = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
-        for (device, _), ([dev_grads], idx) in groups.items():
-            if _has_foreach_support(dev_grads, device):
-                norms.extend(torch._foreach_norm(dev_grads, 2.0))
-            else:
-                norms.extend(torch.linalg.vector_norm(g, 2.0) for g in dev_grads)
+        groups = group_by_device_and_dtype(grads)  # type: ignore[arg-type]
+        for (device, _), (dev_grads, idx) in groups.items():
+            norms.extend(foreach_norms(dev_grads, device))
             order.extend(idx)
         if len(groups) > 1:  # one group (the usual case) is on one device already
             norms = [n.to(grads[0].device) for n in norms]
@@ -336,7 +338,7 @@ class StepGuard:
     def _agree_found_inf(self, overflow: torch.Tensor) -> None:
         """Make every rank's GradScaler.update() see the agreed overflow flag."""
         sc: Any = self.scaler
-        for t in sc._per_optimizer_states[id(self.optimizer)]["found_inf_per_device"].values():
+        for t in scaler_optimizer_state(sc, self.optimizer)["found_inf_per_device"].values():
             t.copy_(overflow)
 
     def _world(self) -> int:

@@ -35,8 +35,8 @@ from isotrain.train.report import MetricsWriter, Reporter
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
 from isotrain.train.sampling import sample
 from isotrain.train.snapshot import find_snapshots
-from isotrain.train.state import Run, TrainState
-from isotrain.train.step import Batches, bucket_lengths, evaluate, precision_context, train_step
+from isotrain.train.state import Batches, Run, TrainState, bucket_lengths
+from isotrain.train.step import evaluate, precision_context, train_step
 from isotrain.train.updater import build_updater
 from isotrain.train.weights import build_model
 

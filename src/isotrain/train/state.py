@@ -1,26 +1,104 @@
-"""What a run is made of: the counters a resume continues (`TrainState`) and its parts (`Run`).
+"""What a run is made of: its counters (`TrainState`), batches, update rule and parts (`Run`).
 
-Both are plain containers: `loop.setup` fills a `Run` from a config, and a user's own code may
-build one from its own model, optimizer and update rule (see `step.train_step`).
+These are plain containers and one protocol: `loop.setup` fills a `Run` from a config, and a
+user's own code may build one from its own model, optimizer and update rule
+(`updater.GuardedUpdater` or anything with the `Updater` methods) to call `step.train_step`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
+from isotrain.compile import default_buckets
+from isotrain.train import data as data_mod
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo
 
-if TYPE_CHECKING:  # annotations only: these modules import nothing from here
-    from isotrain.train.step import Batches
-    from isotrain.train.updater import Updater
+__all__ = ["Batches", "Run", "TrainState", "Updater", "bucket_lengths"]
 
-__all__ = ["Run", "TrainState"]
+
+def bucket_lengths(cfg: TrainConfig) -> tuple[int, ...]:
+    """The padded lengths of variable-length mode (or the one fixed length)."""
+    if not cfg.data.varlen:
+        return (cfg.model.block_size,)
+    return cfg.data.buckets or default_buckets(cfg.model.block_size)
+
+
+@dataclass(frozen=True)
+class Batches:
+    """Micro-batch `micro` of `step` on this rank: a pure function of (seed, step, micro, rank)."""
+
+    corpus: data_mod.Corpus
+    batch_size: int
+    block_size: int
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    buckets: tuple[int, ...] | None = None  # variable-length mode: documents padded to these
+    doc_starts: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, corpus: data_mod.Corpus, info: DistInfo) -> Batches:
+        """The batches `cfg` asks for, drawn from `corpus` for this rank."""
+        varlen = cfg.data.varlen
+        return cls(
+            corpus,
+            cfg.data.batch_size,
+            cfg.model.block_size,
+            cfg.seed,
+            info.rank,
+            info.world_size,
+            info.device,
+            bucket_lengths(cfg) if varlen else None,
+            {s: data_mod.document_starts(getattr(corpus, s)) for s in ("train", "val")}
+            if varlen
+            else {},
+        )
+
+    def get(self, split: str, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Inputs, targets (on the device) and the number of real target tokens."""
+        kw = dict(
+            batch_size=self.batch_size,
+            seed=self.seed,
+            step=step,
+            micro=micro,
+            rank=self.rank,
+            world_size=self.world_size,
+            stream=data_mod.TRAIN if split == "train" else data_mod.VAL,
+        )
+        tokens = getattr(self.corpus, split)
+        if self.buckets is not None:
+            x, y, n = data_mod.get_doc_batch(
+                tokens, self.doc_starts[split], buckets=self.buckets, **kw
+            )
+        else:
+            x, y = data_mod.get_batch(tokens, block_size=self.block_size, **kw)
+            n = y.numel()
+        return x.to(self.device), y.to(self.device), n
+
+
+class Updater(Protocol):
+    """The update rule `train_step` calls: backward, a (guarded) step, LR factor, recovery.
+
+    Values stay on the device until `read` is called at a log step.
+    """
+
+    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor: ...
+    def step(self, loss: torch.Tensor, step: int) -> Any: ...
+    def read(self, outcome: Any) -> dict[str, Any]: ...
+    def lr_factor(self, step: int) -> float: ...
+    def recover(self, step: int) -> Any: ...
+    def mark_good(self, step: int) -> None: ...
+    def totals(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass

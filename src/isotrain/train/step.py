@@ -8,83 +8,17 @@ norm and skip decision stay on the device until a log step reads them.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from isotrain.compile import default_buckets
 from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
-from isotrain.train import data as data_mod
-from isotrain.train.config import TrainConfig
 from isotrain.train.optim import lr_at, set_lr
-from isotrain.train.parallel import DistInfo, all_reduce_mean, no_grad_sync
+from isotrain.train.parallel import all_reduce_mean, no_grad_sync
 from isotrain.train.state import Run
 
-__all__ = ["Batches", "bucket_lengths", "evaluate", "forward", "precision_context", "train_step"]
-
-
-def bucket_lengths(cfg: TrainConfig) -> tuple[int, ...]:
-    """The padded lengths of variable-length mode (or the one fixed length)."""
-    if not cfg.data.varlen:
-        return (cfg.model.block_size,)
-    return cfg.data.buckets or default_buckets(cfg.model.block_size)
-
-
-@dataclass(frozen=True)
-class Batches:
-    """Micro-batch `micro` of `step` on this rank: a pure function of (seed, step, micro, rank)."""
-
-    corpus: data_mod.Corpus
-    batch_size: int
-    block_size: int
-    seed: int
-    rank: int = 0
-    world_size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    buckets: tuple[int, ...] | None = None  # variable-length mode: documents padded to these
-    doc_starts: dict[str, np.ndarray] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, corpus: data_mod.Corpus, info: DistInfo) -> Batches:
-        """The batches `cfg` asks for, drawn from `corpus` for this rank."""
-        varlen = cfg.data.varlen
-        return cls(
-            corpus,
-            cfg.data.batch_size,
-            cfg.model.block_size,
-            cfg.seed,
-            info.rank,
-            info.world_size,
-            info.device,
-            bucket_lengths(cfg) if varlen else None,
-            {s: data_mod.document_starts(getattr(corpus, s)) for s in ("train", "val")}
-            if varlen
-            else {},
-        )
-
-    def get(self, split: str, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Inputs, targets (on the device) and the number of real target tokens."""
-        kw = dict(
-            batch_size=self.batch_size,
-            seed=self.seed,
-            step=step,
-            micro=micro,
-            rank=self.rank,
-            world_size=self.world_size,
-            stream=data_mod.TRAIN if split == "train" else data_mod.VAL,
-        )
-        tokens = getattr(self.corpus, split)
-        if self.buckets is not None:
-            x, y, n = data_mod.get_doc_batch(
-                tokens, self.doc_starts[split], buckets=self.buckets, **kw
-            )
-        else:
-            x, y = data_mod.get_batch(tokens, block_size=self.block_size, **kw)
-            n = y.numel()
-        return x.to(self.device), y.to(self.device), n
+__all__ = ["evaluate", "forward", "precision_context", "train_step"]
 
 
 def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:

@@ -7,7 +7,7 @@ until `read` is called at a log step.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,22 +15,9 @@ from torch import nn
 from isotrain.guard import FaultInjector, Rollback, RollbackAction, StepGuard, StepOutcome
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo, all_reduce_mean
+from isotrain.train.state import Updater
 
-__all__ = ["PlainUpdater", "Updater", "build_updater"]
-
-
-class Updater(Protocol):
-    """The update rule the loop calls; see the module docstring."""
-
-    def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor: ...
-    def step(self, loss: torch.Tensor, step: int) -> Any: ...
-    def read(self, outcome: Any) -> dict[str, Any]: ...
-    def lr_factor(self, step: int) -> float: ...
-    def recover(self, step: int) -> Any: ...
-    def mark_good(self, step: int) -> None: ...
-    def totals(self) -> dict[str, Any]: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+__all__ = ["GuardedUpdater", "PlainUpdater", "build_updater"]
 
 
 def _make_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:

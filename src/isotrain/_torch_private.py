@@ -1,0 +1,164 @@
+"""Every private PyTorch API isotrain touches, each behind one named helper.
+
+PyTorch may change these without notice. Each was read from, and is tested on, torch 2.13.0
+(the version CI installs and the floor in pyproject.toml); when a newer torch breaks one, this
+file is the only place to fix. Nothing else in isotrain reaches into `torch._*`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "compile_metrics",
+    "compiled_call",
+    "compiler_stance",
+    "dynamo_backends",
+    "dynamo_supported",
+    "eager_call",
+    "foreach_copy_",
+    "foreach_norms",
+    "group_by_device_and_dtype",
+    "has_triton",
+    "is_dynamo_error",
+    "is_recompile_error",
+    "recompile_limit_at_least",
+    "scaler_optimizer_state",
+    "scaler_scale",
+    "set_compiled_call",
+    "supports_found_inf",
+    "tree_leaves",
+]
+
+
+# -- foreach kernels (torch.utils._foreach_utils, torch._foreach_*) ---------------------------
+def group_by_device_and_dtype(
+    tensors: list[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
+    """`tensors` grouped as `nn.utils.get_total_norm` groups them: {(device, dtype): (ts, idx)}."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    groups = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
+    return {key: (ts[0], idx) for key, (ts, idx) in groups.items()}
+
+
+def foreach_norms(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The 2-norm of each tensor: one foreach kernel where supported, a loop otherwise."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    if _has_foreach_support(tensors, device):
+        return list(torch._foreach_norm(tensors, 2.0))
+    return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy each `src` tensor into its `dst` twin in one foreach kernel."""
+    torch._foreach_copy_(dst, src)
+
+
+# -- GradScaler and the fused optimizers' found_inf protocol ----------------------------------
+def scaler_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's current scale tensor (None before its first `scale()` call)."""
+    return scaler._scale
+
+
+def scaler_optimizer_state(
+    scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The scaler's per-optimizer record: `stage` and `found_inf_per_device`."""
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours `optimizer.found_inf` (the fused Adam/AdamW/SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        g.get("fused") for g in optimizer.param_groups
+    )
+
+
+# -- pytrees ----------------------------------------------------------------------------------
+def tree_leaves(obj: Any) -> list[Any]:
+    """The leaves of nested tuples, lists, dicts and registered containers (model outputs)."""
+    from torch.utils._pytree import tree_leaves as leaves
+
+    return leaves(obj)
+
+
+# -- dynamo and inductor ------------------------------------------------------------------------
+def dynamo_supported() -> bool:
+    """Whether torch.compile runs on this Python at all."""
+    return torch._dynamo.is_dynamo_supported()
+
+
+def dynamo_backends() -> list[str]:
+    """Every registered torch.compile backend name, debug ones included."""
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def has_triton() -> bool:
+    """Whether inductor can generate CUDA kernels here."""
+    from torch.utils._triton import has_triton as triton
+
+    return triton()
+
+
+def is_dynamo_error(err: BaseException) -> bool:
+    """Whether `err` came from dynamo or a compile backend, not from the user's code."""
+    return isinstance(err, torch._dynamo.exc.TorchDynamoException)
+
+
+def is_recompile_error(err: BaseException) -> bool:
+    """Whether `err` is `fail_on_recompile` refusing a new graph (never a compile failure)."""
+    names = ("RecompileError", "FailOnRecompileLimitHit")
+    return isinstance(err, tuple(getattr(torch._dynamo.exc, n, ()) for n in names))
+
+
+def compile_metrics() -> tuple[Any, dict[str, list[float]], Sequence[Any]]:
+    """Dynamo's process-wide counters, timed sections and recent compilation metrics."""
+    from torch._dynamo import utils
+
+    return utils.counters, utils.compilation_time_metrics, tuple(utils.get_compilation_metrics())
+
+
+def recompile_limit_at_least(n: int) -> contextlib.AbstractContextManager[Any]:
+    """Raise dynamo's per-frame recompile limit to at least `n` inside the block."""
+    cfg = torch._dynamo.config
+    return cfg.patch(recompile_limit=max(cfg.recompile_limit, n))
+
+
+def compiler_stance() -> str:
+    """The active `torch.compiler.set_stance` as text; "default" when dynamo never loaded."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # never import it just to read
+    stance = getattr(eval_frame, "_stance", None)
+    if stance is None:
+        return "default"
+    text = str(stance.stance)
+    if stance.skip_guard_eval_unsafe:
+        text += " (skip_guard_eval_unsafe)"
+    if stance.backend is not None:
+        text += f" (backend={stance.backend!r})"
+    return text
+
+
+# -- nn.Module.compile() internals ------------------------------------------------------------
+# `module.compile()` stores torch.compile(module._call_impl) in `module._compiled_call_impl`,
+# which nn.Module.__call__ prefers; parameters and state-dict keys stay where they were.
+def compiled_call(module: nn.Module) -> Callable[..., Any] | None:
+    """The compiled callable `module.compile()` installed, or None."""
+    return module._compiled_call_impl
+
+
+def set_compiled_call(module: nn.Module, fn: Callable[..., Any] | None) -> None:
+    """Install `fn` as what `module(...)` runs (None: the eager forward again)."""
+    module._compiled_call_impl = fn
+
+
+def eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call `module` eagerly (hooks included), bypassing its compiled callable."""
+    return module._call_impl(*args, **kwargs)

@@ -1,0 +1,124 @@
+"""The package's shape, read from the source (AST): which module may import which.
+
+Pattern packages import torch, the standard library and isotrain's shared helpers only; the
+trainer imports the five public packages (never their insides); nothing imports the trainer;
+and no import circle exists anywhere, function-level imports included.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PATTERNS = ("autograd", "checkpointing", "guard", "compile", "contexts")
+SHARED = ("isotrain._shared", "isotrain._torch_private")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module `path` imports, at any depth (a function-level import counts too)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            out.append(base)
+            # `from isotrain.train import data` imports the module isotrain.train.data
+            out += [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")]
+    return out
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (SRC / rel).with_suffix(".py").is_file() or (SRC / rel / "__init__.py").is_file()
+
+
+GRAPH = {
+    _module_name(p): [i for i in _imports(p) if i.split(".")[0] == "isotrain"]
+    for p in sorted((SRC / "isotrain").rglob("*.py"))
+}
+THIRD_PARTY = {
+    _module_name(p): {i.split(".")[0] for i in _imports(p)} - {"isotrain", "__future__"}
+    for p in sorted((SRC / "isotrain").rglob("*.py"))
+}
+
+
+def _pattern_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PATTERNS else None
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_a_pattern_imports_torch_stdlib_and_shared_helpers_only(pattern: str) -> None:
+    for module, targets in GRAPH.items():
+        if _pattern_of(module) != pattern:
+            continue
+        for target in targets:
+            own = _pattern_of(target) == pattern
+            assert own or target in SHARED, f"{module} imports {target}"
+        outside = THIRD_PARTY[module] - set(sys.stdlib_module_names) - {"torch", "numpy"}
+        assert not outside, f"{module} imports {sorted(outside)}"
+
+
+def test_the_trainer_imports_only_public_packages() -> None:
+    allowed = {"isotrain", *(f"isotrain.{p}" for p in PATTERNS)}
+    for module, targets in GRAPH.items():
+        if not module.startswith("isotrain.train"):
+            continue
+        for target in targets:
+            assert target in allowed or target.startswith("isotrain.train"), (
+                f"{module} imports {target}: the trainer uses the public packages only"
+            )
+
+
+def test_nothing_but_the_entry_point_imports_the_trainer() -> None:
+    for module, targets in GRAPH.items():
+        if module.startswith("isotrain.train") or module == "isotrain.__main__":
+            continue
+        assert not [t for t in targets if t.startswith("isotrain.train")], module
+
+
+def test_no_import_circle() -> None:
+    def parents(name: str) -> list[str]:  # importing a.b.c runs a/__init__ and a/b/__init__
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(2, len(parts))]
+
+    edges = {m: {t for t in ts if t in GRAPH and t != m} for m, ts in GRAPH.items()}
+    for m in edges:
+        edges[m] |= {p for t in list(edges[m]) for p in parents(t) if p != m and p in GRAPH}
+        edges[m] -= {p for p in parents(m)}  # a package's own __init__ is not a circle
+
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_the_graph_is_read_at_all() -> None:
+    assert "isotrain._torch_private" in GRAPH["isotrain.guard._step"]
+    assert "isotrain.train.step" in GRAPH["isotrain.train.loop"]
