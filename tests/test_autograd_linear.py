@@ -1,5 +1,8 @@
 """The layout-aware bf16 linear: exact gradients, bf16 values, saved bytes, conversion, compile."""
 
+import platform
+import sys
+
 import pytest
 import torch
 import torch._dynamo
@@ -17,7 +20,6 @@ from isotrain.autograd import (
     native_bf16_matmul,
     quantize_linear_layers,
 )
-from isotrain.autograd import _linear as autograd_linear
 from isotrain.autograd._linear import _LayoutLinear
 
 
@@ -101,11 +103,45 @@ def test_conversion_keeps_keys_ties_and_quantized_layers() -> None:
     assert model[3].weight is model[2].weight
 
 
-def test_conversion_is_a_no_op_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autograd_linear, "native_bf16_matmul", lambda: True)
-    model = bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)))
-    assert type(model[0]) is nn.Linear
-    assert isinstance(native_bf16_matmul(), bool)
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+
+
+def _converts() -> bool:
+    return type(bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)))[0]) is Bf16Linear
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the CPU flags from /proc/cpuinfo")
+def test_native_bf16_detection_matches_this_cpu() -> None:
+    native_bf16_matmul.cache_clear()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = _cpu_flags()
+    if not x86:
+        expected = True  # Arm and others: no slow-layout bf16 kernel to avoid
+    elif flags & {"avx512_bf16", "amx_bf16"}:
+        expected = True  # oneDNN bf16 kernels, fast in every layout
+    elif "avx512f" not in flags:
+        expected = False  # AVX2 only: the portable kernel with its slow layouts
+    else:
+        expected = {"avx512bw", "avx512vl", "avx512dq"} <= flags  # AVX512 without bf16
+    assert native_bf16_matmul() is expected, (platform.machine(), sorted(flags))
+    assert _converts() is not expected  # converts exactly where bf16 is not native
+    assert type(bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)), force=True)[0]) is Bf16Linear
+
+
+@pytest.mark.parametrize(("capability", "native"), [("AVX2", False), ("AVX512", True)])
+def test_conversion_follows_the_cpu_capability(
+    capability: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        native = True  # the capability only matters on x86
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    native_bf16_matmul.cache_clear()
+    try:
+        assert native_bf16_matmul() is native and _converts() is not native
+    finally:
+        native_bf16_matmul.cache_clear()  # the real CPU's answer for later tests
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")  # the recorder
