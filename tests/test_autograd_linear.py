@@ -1,5 +1,8 @@
 """The layout-aware bf16 linear: exact gradients, bf16 values, saved bytes, conversion, compile."""
 
+import platform
+import sys
+
 import pytest
 import torch
 import torch._dynamo
@@ -17,7 +20,6 @@ from isotrain.autograd import (
     native_bf16_matmul,
     quantize_linear_layers,
 )
-from isotrain.autograd import _linear as autograd_linear
 from isotrain.autograd._linear import _LayoutLinear
 
 
@@ -45,7 +47,7 @@ def _bf16(fn, x: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, list[Tens
 def test_layout_products_have_exact_gradients(shape: tuple[int, ...], with_bias: bool) -> None:
     # In float64 the layout Function is exact arithmetic, so gradcheck checks every transpose.
     x, w, b = _inputs(*shape, dtype=torch.float64)
-    fn = lambda x, w, b: _LayoutLinear.apply(x, w, b, torch.float64)  # noqa: E731
+    fn = lambda x, w, b: _LayoutLinear.apply(x, w, b, torch.float64)[0]  # noqa: E731
     assert torch.autograd.gradcheck(fn, (x, w, b if with_bias else None))
     assert torch.allclose(fn(x, w, b), F.linear(x, w, b), rtol=1e-12, atol=1e-12)
 
@@ -101,11 +103,45 @@ def test_conversion_keeps_keys_ties_and_quantized_layers() -> None:
     assert model[3].weight is model[2].weight
 
 
-def test_conversion_is_a_no_op_where_bf16_is_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autograd_linear, "native_bf16_matmul", lambda: True)
-    model = bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)))
-    assert type(model[0]) is nn.Linear
-    assert isinstance(native_bf16_matmul(), bool)
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+
+
+def _converts() -> bool:
+    return type(bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)))[0]) is Bf16Linear
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the CPU flags from /proc/cpuinfo")
+def test_native_bf16_detection_matches_this_cpu() -> None:
+    native_bf16_matmul.cache_clear()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    flags = _cpu_flags()
+    if not x86:
+        expected = True  # Arm and others: no slow-layout bf16 kernel to avoid
+    elif flags & {"avx512_bf16", "amx_bf16"}:
+        expected = True  # oneDNN bf16 kernels, fast in every layout
+    elif "avx512f" not in flags:
+        expected = False  # AVX2 only: the portable kernel with its slow layouts
+    else:
+        expected = {"avx512bw", "avx512vl", "avx512dq"} <= flags  # AVX512 without bf16
+    assert native_bf16_matmul() is expected, (platform.machine(), sorted(flags))
+    assert _converts() is not expected  # converts exactly where bf16 is not native
+    assert type(bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)), force=True)[0]) is Bf16Linear
+
+
+@pytest.mark.parametrize(("capability", "native"), [("AVX2", False), ("AVX512", True)])
+def test_conversion_follows_the_cpu_capability(
+    capability: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        native = True  # the capability only matters on x86
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    native_bf16_matmul.cache_clear()
+    try:
+        assert native_bf16_matmul() is native and _converts() is not native
+    finally:
+        native_bf16_matmul.cache_clear()  # the real CPU's answer for later tests
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")  # the recorder
@@ -155,3 +191,52 @@ def test_flop_counter_counts_the_layout_products_as_matmuls() -> None:
             _bf16(fn, x, w, b)
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] == 3 * 2 * 24 * 16 * 12  # forward, grad_x, grad_w
+
+
+def _autocast_loss(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return bf16_linear(x, w, b).float().pow(2).sum()
+
+
+def _f64_loss(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    return _LayoutLinear.apply(x, w, b, torch.float64)[0].pow(2).sum()
+
+
+@pytest.mark.parametrize(
+    ("loss", "dtype"), [(_f64_loss, torch.float64), (_autocast_loss, torch.float32)]
+)
+def test_torch_func_grad_equals_autograd(loss, dtype: torch.dtype) -> None:
+    x, w, b = _inputs(3, 5, 16, dtype=dtype)
+    loss(x, w, b).backward()
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(x.detach(), w.detach(), b.detach())
+    for got, t in zip(grads, (x, w, b)):
+        assert got.dtype == t.dtype and torch.equal(got, t.grad)  # the same products
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop")  # layout_mm has a vmap rule
+def test_torch_func_grad_of_grad_is_exact_in_float64() -> None:
+    # The backward's products are differentiable too: jacrev(grad) is the exact Hessian block.
+    x, w, b = (t.detach() for t in _inputs(2, 4, dtype=torch.float64))
+    ref = lambda x, w, b: F.linear(x, w, b).pow(2).sum()  # noqa: E731
+    hessians = [torch.func.jacrev(torch.func.grad(f), argnums=1)(x, w, b) for f in (_f64_loss, ref)]
+    assert torch.allclose(*hessians, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("error:There is a performance drop")  # layout_mm has a vmap rule
+def test_torch_func_vmap_equals_a_loop() -> None:
+    xs, w, b = (t.detach() for t in _inputs(4, 3, 16))  # 4 samples of (3, 16)
+
+    def layer(x: Tensor) -> Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return bf16_linear(x, w, b)
+
+    ys = torch.func.vmap(layer)(xs)
+    assert ys.dtype == torch.bfloat16 and torch.equal(ys, torch.stack([layer(x) for x in xs]))
+    ys = torch.func.vmap(layer, in_dims=1, out_dims=1)(xs.transpose(0, 1))  # batch dim not first
+    assert torch.equal(ys.transpose(0, 1), torch.stack([layer(x) for x in xs]))
+    # Per-sample weight gradients: the backward's products are batched in both operands.
+    per_sample = torch.func.grad(_autocast_loss, argnums=(1, 2))
+    got = torch.func.vmap(per_sample, in_dims=(0, None, None))(xs, w, b)
+    for i, x in enumerate(xs):
+        for g, ref in zip(got, per_sample(x, w, b)):
+            assert torch.equal(g[i], ref)

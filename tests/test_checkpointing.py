@@ -21,6 +21,7 @@ from isotrain.checkpointing import (
     remove_activation_checkpointing,
     selective_policy,
 )
+from isotrain.checkpointing import _policy as ac_policy
 
 D, H, L, T, B, V = 32, 4, 4, 16, 2, 64
 UNIT = B * T * D * 4  # bytes of one fp32 (B, T, D) activation
@@ -179,12 +180,37 @@ def test_deepcopy_of_wrapped_model_uses_its_own_weights() -> None:
     assert measure_activation_memory(twin, idx).blocks[0].checkpointed
 
 
-def test_no_grad_and_eval_skip_checkpoint() -> None:
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_grad_mode_alone_decides_whether_blocks_checkpoint(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under no_grad the wrapped forward runs the block once and never enters checkpoint();
+    # with grad enabled it checkpoints in train and in eval mode alike (the wrapper does not
+    # read `module.training`), so backward re-runs each block's forward.
     model, idx = make()
-    ref = model(idx)
-    apply_activation_checkpointing(model, policy="selective")
-    with torch.no_grad():
-        assert torch.equal(model(idx), ref)
+    ref = {mode: model.train(mode)(idx).detach() for mode in (True, False)}
+    apply_activation_checkpointing(model, policy=policy)
+    entered, calls = [0], [0] * L
+    for i, block in enumerate(model.blocks):
+        block.fc.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+
+    def counting_checkpoint(*args, **kwargs):
+        entered[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(ac_policy, "checkpoint", counting_checkpoint)
+    for training in (True, False):
+        model.train(training)
+        entered[0], calls[:] = 0, [0] * L
+        with torch.no_grad():
+            assert torch.equal(model(idx), ref[training])
+        assert entered == [0] and calls == [1] * L
+        calls[:] = [0] * L
+        out = model(idx)
+        assert torch.equal(out.detach(), ref[training])
+        assert entered == [L] and calls == [1] * L
+        out.sum().backward()
+        assert calls == [2] * L  # the recompute
 
 
 def test_module_selection_and_errors() -> None:

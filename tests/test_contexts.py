@@ -25,6 +25,7 @@ from isotrain.contexts import (
     rng_isolated,
     train_mode,
 )
+from isotrain.guard import safe_backward
 
 
 class Net(nn.Module):
@@ -391,8 +392,6 @@ def test_autocast_bad_input(kwargs, match: str) -> None:
 
 
 def test_seed_training_loop_runs_as_written(capsys) -> None:
-    guard = pytest.importorskip("isotrain.guard")
-    safe_backward = guard.safe_backward
     torch.manual_seed(0)
     model = Net(p_drop=0.1)
     model.train()

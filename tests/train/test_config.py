@@ -4,12 +4,14 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import operator
 
 import pytest
 
 from isotrain.train import config as C
 from isotrain.train import model as model_module
 from isotrain.train.cli import parse_train_args
+from isotrain.train.loop import build_model
 
 
 def _sections() -> list[type]:
@@ -43,9 +45,49 @@ def test_every_field_has_help_text() -> None:
                 assert f.name in documented[cls.__name__], f"{cls.__name__}.{f.name} has no help"
 
 
-def test_presets_validate() -> None:
-    for name, preset in C.PRESETS.items():
-        assert C.validate(preset()) is not None, name
+PRESET_VALUES = {
+    "tiny": {
+        **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 256},
+        **{"model.dropout": 0.0, "data.batch_size": 16, "data.max_bytes": 4_000_000},
+        **{"optim.lr": 2e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 50},
+        **{"steps": 500, "eval_every": 100, "eval_batches": 8, "log_every": 10},
+        **{"sample_tokens": 200, "progress": True},
+    },
+    "small": {
+        **{"model.n_layer": 6, "model.n_head": 6, "model.d_model": 384, "model.block_size": 256},
+        **{"model.dropout": 0.1, "data.batch_size": 16, "data.max_bytes": 4_000_000},
+        **{"optim.lr": 1e-3, "optim.min_lr": 1e-4, "optim.warmup_steps": 100},
+        **{"steps": 2000, "eval_every": 250, "eval_batches": 8, "log_every": 10},
+        **{"sample_tokens": 200, "progress": True},
+    },
+    "smoke": {
+        **{"model.n_layer": 2, "model.n_head": 2, "model.d_model": 32, "model.block_size": 32},
+        **{"model.dropout": 0.0, "data.batch_size": 4, "data.max_bytes": 200_000},
+        **{"optim.lr": 2e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 2},
+        **{"steps": 8, "eval_every": 4, "eval_batches": 2, "log_every": 2},
+        **{"sample_tokens": 16, "progress": False},
+    },
+}
+
+
+def _gpt_params(n_layer: int, d: int, block_size: int, vocab: int) -> int:
+    """GPT parameters from its shapes: embeddings (head tied), blocks, final LayerNorm."""
+    per_block = (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d) + 4 * d
+    return vocab * d + block_size * d + n_layer * per_block + 2 * d
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_VALUES))
+def test_presets_have_their_values_and_build_their_model(name: str) -> None:
+    assert sorted(C.PRESETS) == sorted(PRESET_VALUES)
+    cfg = C.validate(C.PRESETS[name]())
+    values = {path: operator.attrgetter(path)(cfg) for path in PRESET_VALUES[name]}
+    assert values == PRESET_VALUES[name]
+    m = cfg.model
+    model = build_model(cfg)
+    n = model.num_params(non_embedding=False)
+    assert n == _gpt_params(m.n_layer, m.d_model, m.block_size, m.vocab_size)
+    if name == "tiny":  # its docstring: "about 0.8M parameters" (without position embeddings)
+        assert abs(model.num_params() - 0.8e6) < 0.05e6
 
 
 def test_flags_override_toml_which_overrides_preset(tmp_path) -> None:

@@ -98,5 +98,30 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
         assert torch.equal(a["model"][name], tensor), name
 
 
-def test_train_config_of_the_crash_test_is_valid() -> None:
-    assert C.validate(parse_train_args(ARGS)).snapshot.every == 5
+def _flat(cfg: C.TrainConfig) -> dict[str, object]:
+    """Every leaf setting by dotted path: {"model.dropout": 0.1, ...}."""
+    out: dict[str, object] = {}
+    for name, value in dataclasses.asdict(cfg).items():
+        for key, leaf in value.items() if isinstance(value, dict) else [(None, value)]:
+            out[name if key is None else f"{name}.{key}"] = leaf
+    return out
+
+
+def test_crash_test_flags_resolve_over_the_smoke_preset() -> None:
+    # Each flag replaces its preset value, parsed to the field's type; every other setting is
+    # the smoke preset's (not the tiny default's), and the result validates.
+    cfg = C.validate(parse_train_args(ARGS))
+    preset, got = _flat(C.PRESETS["smoke"]()), _flat(cfg)
+    changed = {k: v for k, v in got.items() if v != preset[k]}
+    assert changed == {
+        "data.max_bytes": 60000,
+        "steps": 60,
+        "log_every": 1,
+        "snapshot.every": 5,
+        "model.dropout": 0.1,
+    }
+    assert type(got["data.max_bytes"]) is int and type(got["model.dropout"]) is float
+    assert got["model.n_layer"] == 2 != C.TrainConfig().model.n_layer
+    # A later flag wins over an earlier one, and validation names the flag, value and fix.
+    with pytest.raises(C.ConfigError, match=r"^--snapshot.keep 0 is invalid: keep at least 1$"):
+        C.validate(parse_train_args([*ARGS, "--snapshot.keep", "0"]))

@@ -13,15 +13,15 @@ import math
 import os
 import shutil
 import socket
-import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from isotrain.checkpointing import apply_activation_checkpointing
+from isotrain.compile import compile_model
 from isotrain.guard import StepGuard
 from isotrain.train import config as C
 from isotrain.train import data as data_mod
@@ -76,19 +76,6 @@ def _batch(corpus, micro: int, rank: int, world: int = WORLD):
 
 def _corpus():
     return data_mod.load_corpus(None, max_bytes=60_000, val_fraction=0.1)
-
-
-def _alter_blocks(model: nn.Module, *, compile: bool) -> None:
-    """Checkpoint each block through a forward override, then compile it in place (eager)."""
-    for block in model.blocks:
-        inner = type(block).forward
-
-        def forward(self, x, _inner=inner):
-            return checkpoint(_inner, self, x, use_reentrant=False)
-
-        block.forward = types.MethodType(forward, block)
-        if compile:
-            block.compile(backend="eager")
 
 
 def _max_rel_diff(model: nn.Module, ref: nn.Module) -> float:
@@ -190,7 +177,9 @@ def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, t
         with process_group_scope():
             init_distributed("fsdp", "cpu")
             ref, model = _model(), _model()
-            _alter_blocks(model, compile=True)
+            apply_activation_checkpointing(model, policy="full")  # the trainer's order
+            compile_model(model, backend="eager", fallback=False)
+            assert all(block._compiled_call_impl is not None for block in model.blocks)
             wrap_model(model, "fsdp", info)
             ref(x, y).backward()
             model(x, y).backward()
@@ -248,7 +237,7 @@ def _check_grads(info: DistInfo, corpus, mode: str) -> dict:
     """Two micro-batches, the first without gradient sync; compare to one process."""
     ref, model = _model(), _model()
     if mode == "fsdp":  # compile is covered in the world of one (it costs seconds per process)
-        _alter_blocks(model, compile=False)
+        apply_activation_checkpointing(model, policy="full")
     wrapped = wrap_model(model, mode, info)
     local = None
     for micro in range(2):

@@ -1,10 +1,12 @@
 """The trainer applies all five patterns at once, and each leaves the arithmetic intact."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
 
+from isotrain.autograd import QuantLinear
 from isotrain.autograd import _linear as autograd_linear
 from isotrain.train import config as C
 from isotrain.train.loop import setup, train, train_step
@@ -37,8 +39,20 @@ def test_activation_checkpointing_leaves_training_bit_identical(tmp_path) -> Non
 def test_quantization_aware_training_changes_the_forward_only_through_weights(tmp_path) -> None:
     cfg = _cfg(tmp_path, quant=C.QuantConfig(bits=4))
     run = setup(cfg)
-    assert type(run.model.blocks[0].mlp.fc).__name__ == "QuantLinear"
-    assert type(run.model.lm_head).__name__ == "Linear"  # tied to the embedding: kept exact
+    layers = [m for m in run.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * cfg.model.n_layer  # qkv, attn proj, fc, mlp proj per block
+    for layer in layers:
+        # The weight the forward really uses: a bias-free copy applied to the identity.
+        probe = copy.deepcopy(layer)
+        with torch.no_grad():
+            probe.bias.zero_()
+            w_eff = probe(torch.eye(layer.in_features)).t()  # (out, in)
+        levels = max(len(row.unique()) for row in w_eff)
+        assert levels <= 2**4 and not torch.equal(w_eff, layer.weight)
+        # ... and it is this weight rounded: within half a step absmax(row) / 7 of it.
+        half_step = layer.weight.detach().abs().amax(dim=1, keepdim=True) / 7 / 2
+        assert ((w_eff - layer.weight).abs() <= half_step * (1 + 1e-5)).all()
+    assert type(run.model.lm_head) is torch.nn.Linear  # tied to the embedding: kept exact
     assert run.model.lm_head.weight is run.model.wte.weight
     train_step(run)
     assert all(torch.isfinite(p).all() for p in run.model.parameters())

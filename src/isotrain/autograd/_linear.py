@@ -80,6 +80,35 @@ def _layout_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> i
     return 2 * m * k * n
 
 
+def _raw_layout_mm(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    return torch.ops.isotrain.layout_mm(a, b, bias)
+
+
+# NOTE [layout_mm under vmap]
+# `_LayoutLinear` lets torch.func.vmap derive its batching rule (generate_vmap_rule) by running
+# forward and backward on batched tensors, so the custom op needs a batching rule of its own.
+# When only `a` is batched (a batch of inputs through one layer, and grad_x), the samples'
+# rows stack into one product: (B, m, k) -> (B*m, k) @ (k, n), still in the fast layouts.
+# When `b` or the bias is per sample (per-sample weight gradients: x.T @ g), the rule runs
+# one product per sample.
+def _layout_mm_vmap(
+    info: Any, in_dims: tuple[int | None, ...], a: Tensor, b: Tensor, bias: Tensor | None
+) -> tuple[Tensor, int]:
+    a_dim, b_dim, bias_dim = in_dims
+    if a_dim is not None and b_dim is None and bias_dim is None:
+        a = a.movedim(a_dim, 0)  # (B, m, k)
+        return _raw_layout_mm(a.flatten(0, 1), b, bias).unflatten(0, a.shape[:2]), 0  # (B, m, n)
+
+    def sample(t: Tensor | None, dim: int | None, i: int) -> Tensor | None:
+        return t if t is None or dim is None else t.select(dim, i)
+
+    outs = [
+        _raw_layout_mm(sample(a, a_dim, i), sample(b, b_dim, i), sample(bias, bias_dim, i))
+        for i in range(info.batch_size)
+    ]
+    return torch.stack(outs), 0  # (B, m, n)
+
+
 # The products are one opaque custom op (the `NOTE [custom op template]` pattern in
 # autograd_ops): under torch.compile, inductor would otherwise fold the layout copies away and
 # pick its own operand order, losing the speed-up. Defined once per process, like
@@ -87,37 +116,78 @@ def _layout_mm_flops(a_shape: Any, b_shape: Any, *args: Any, **kwargs: Any) -> i
 if not hasattr(torch.ops.isotrain, "layout_mm"):
     _op = torch.library.custom_op("isotrain::layout_mm", _layout_mm_kernel, mutates_args=())
     _op.register_fake(_layout_mm_fake)
+    _op.register_vmap(_layout_mm_vmap)
     register_flop_formula(torch.ops.isotrain.layout_mm)(_layout_mm_flops)
 
 
+class _LayoutMM(torch.autograd.Function):
+    """isotrain::layout_mm with its gradient, usable under torch.func (`grad` of `grad` too).
+
+    The op has no registered autograd: an op's register_autograd fails under torch.func.grad
+    in torch <= 2.13 (NOTE [custom op template], step 6), and `_LayoutLinear.backward` calls
+    the op on tensors that require grad there. Its products are layout_mm again.
+    """
+
+    generate_vmap_rule = True  # NOTE [layout_mm under vmap]
+
+    @staticmethod
+    def forward(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+        return _raw_layout_mm(a, b, bias)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        a, b, bias = inputs
+        ctx.save_for_backward(a, b)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        a, b = ctx.saved_tensors  # (m, k), (k, n); grad (m, n) in a's dtype
+        grad_a = grad_b = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _layout_mm(grad, b.t())
+        if ctx.needs_input_grad[1]:
+            grad_b = _layout_mm(a.t(), grad).to(b.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            acc = torch.promote_types(grad.dtype, torch.float32)  # fp32 or wider
+            grad_bias = grad.sum(0, dtype=acc).to(ctx.bias_dtype)
+        return grad_a, grad_b, grad_bias
+
+
 def _layout_mm(a: Tensor, b: Tensor, bias: Tensor | None = None) -> Tensor:
-    return torch.ops.isotrain.layout_mm(a, b, bias)
+    """(bias +) a @ b in a's dtype, operands in the fast layouts: NOTE [bf16 operand layouts]."""
+    return _LayoutMM.apply(a, b, bias)
 
 
 class _LayoutLinear(torch.autograd.Function):
-    """y = x @ W.T + b in `dtype`, each matmul with its operands in the fast layout."""
+    """(x @ W.T + b in `dtype`, x as (N, in) in `dtype`): each matmul in the fast layout.
+
+    The second output is the input that backward needs; it is returned only so that
+    `setup_context` can save it without casting `x` again (`bf16_linear` drops it).
+    """
+
+    generate_vmap_rule = True  # NOTE [layout_mm under vmap]
 
     @staticmethod
     def forward(
-        ctx: torch.autograd.function.FunctionCtx,
-        x: Tensor,
-        weight: Tensor,
-        bias: Tensor | None,
-        dtype: torch.dtype,
-    ) -> Tensor:
-        lead = x.shape[:-1]
-        x_lp = _row_major(x.reshape(-1, x.shape[-1]), dtype)
-        out = _layout_mm(x_lp, weight.t(), bias)
-        ctx.save_for_backward(x_lp, weight)
-        ctx.lead, ctx.has_bias = lead, bias is not None
-        return out.view(*lead, weight.shape[0])
+        x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        x_lp = _row_major(x.reshape(-1, x.shape[-1]), dtype)  # (N, in)
+        out = _layout_mm(x_lp, weight.t(), bias)  # (N, out)
+        return out.view(*x.shape[:-1], weight.shape[0]), x_lp
 
     @staticmethod
-    def backward(
-        ctx: torch.autograd.function.FunctionCtx, grad: Tensor
-    ) -> tuple[Tensor | None, ...]:
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+        x, weight, bias, _ = inputs
+        x_lp = output[1]
+        ctx.mark_non_differentiable(x_lp)
+        ctx.save_for_backward(x_lp, weight)
+        ctx.lead, ctx.has_bias = x.shape[:-1], bias is not None
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _grad_x_lp: Tensor | None) -> tuple[Tensor | None, ...]:
         x_lp, weight = ctx.saved_tensors
-        g = _row_major(grad.reshape(-1, grad.shape[-1]), x_lp.dtype)
+        g = _row_major(grad.reshape(-1, grad.shape[-1]), x_lp.dtype)  # (N, out)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = _layout_mm(g, weight).view(*ctx.lead, weight.shape[1])
@@ -148,7 +218,7 @@ def bf16_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor
     if not _bf16_compute(x):
         return F.linear(x, weight, bias)
     with torch.autocast("cpu", enabled=False):
-        return _LayoutLinear.apply(x, weight, bias, torch.bfloat16)
+        return _LayoutLinear.apply(x, weight, bias, torch.bfloat16)[0]
 
 
 class Bf16Linear(nn.Linear):
