@@ -1,6 +1,7 @@
 # isotrain: `make train` and `make test` create the environment when it is missing, then run.
 # TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"
 # `make train` installs what training needs; test, lint, docs and bench add the dev tools.
+# `make lint`: ruff (style) and mypy (strict types on src/isotrain).
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,6 +31,7 @@ test: $(DEV_STAMP)
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools
 	$(VENV)/bin/ruff format --check src tests benchmarks examples tools
+	$(VENV)/bin/mypy
 
 bench: $(DEV_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

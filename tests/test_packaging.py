@@ -112,3 +112,18 @@ def test_wheel_installs_into_a_fresh_venv_and_imports(tmp_path: Path) -> None:
     assert probe["missing"] == [] and probe["n_names"] > 10
     assert probe["train_loaded"] is False  # the patterns import without the trainer
     assert (env_dir / "bin" / "isotrain").is_file() or sys.platform == "win32"
+
+
+def test_the_torch_floor_is_the_version_ci_installs() -> None:
+    """pyproject's floor, the Makefile's pin and _torch_private's note name one version."""
+    import re
+
+    import torch
+
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    pin = re.search(r"TORCH \?= torch==([\d.]+)", (ROOT / "Makefile").read_text()).group(1)
+    note = (ROOT / "src" / "isotrain" / "_torch_private.py").read_text()
+    assert pin.startswith(floor + "."), (floor, pin)
+    assert f"torch {pin}" in note
+    installed = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert installed >= tuple(int(p) for p in floor.split(".")), torch.__version__

@@ -45,7 +45,7 @@ def group_by_device_and_dtype(
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
     groups = _group_tensors_by_device_and_dtype([tensors], with_indices=True)  # type: ignore[list-item]
-    return {key: (ts[0], idx) for key, (ts, idx) in groups.items()}
+    return {key: ([t for t in ts[0] if t is not None], idx) for key, (ts, idx) in groups.items()}
 
 
 def foreach_norms(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -93,7 +93,9 @@ def tree_leaves(obj: Any) -> list[Any]:
 # -- dynamo and inductor ------------------------------------------------------------------------
 def dynamo_supported() -> bool:
     """Whether torch.compile runs on this Python at all."""
-    return torch._dynamo.is_dynamo_supported()
+    from torch._dynamo.eval_frame import is_dynamo_supported
+
+    return is_dynamo_supported()
 
 
 def dynamo_backends() -> list[str]:

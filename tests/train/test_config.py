@@ -11,7 +11,7 @@ import pytest
 from isotrain.train import config as C
 from isotrain.train import model as model_module
 from isotrain.train.cli import parse_train_args
-from isotrain.train.loop import build_model
+from isotrain.train.weights import build_model
 
 
 def _sections() -> list[type]:
@@ -83,7 +83,7 @@ def test_presets_have_their_values_and_build_their_model(name: str) -> None:
     values = {path: operator.attrgetter(path)(cfg) for path in PRESET_VALUES[name]}
     assert values == PRESET_VALUES[name]
     m = cfg.model
-    model = build_model(cfg)
+    model = build_model(cfg.model)
     n = model.num_params(non_embedding=False)
     assert n == _gpt_params(m.n_layer, m.d_model, m.block_size, m.vocab_size)
     if name == "tiny":  # its docstring: "about 0.8M parameters" (without position embeddings)

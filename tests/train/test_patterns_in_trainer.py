@@ -9,8 +9,9 @@ import torch
 from isotrain.autograd import QuantLinear
 from isotrain.autograd import _linear as autograd_linear
 from isotrain.train import config as C
-from isotrain.train.loop import setup, train, train_step
+from isotrain.train.loop import setup, train
 from isotrain.train.report import read_metrics
+from isotrain.train.step import train_step
 
 
 def _cfg(tmp_path, **kw) -> C.TrainConfig:

@@ -99,11 +99,15 @@ def _layout_mm_vmap(
         a = a.movedim(a_dim, 0)  # (B, m, k)
         return _raw_layout_mm(a.flatten(0, 1), b, bias).unflatten(0, a.shape[:2]), 0  # (B, m, n)
 
-    def sample(t: Tensor | None, dim: int | None, i: int) -> Tensor | None:
-        return t if t is None or dim is None else t.select(dim, i)
+    def pick(t: Tensor, dim: int | None, i: int) -> Tensor:
+        return t if dim is None else t.select(dim, i)
 
     outs = [
-        _raw_layout_mm(sample(a, a_dim, i), sample(b, b_dim, i), sample(bias, bias_dim, i))
+        _raw_layout_mm(
+            pick(a, a_dim, i),
+            pick(b, b_dim, i),
+            None if bias is None else pick(bias, bias_dim, i),
+        )
         for i in range(info.batch_size)
     ]
     return torch.stack(outs), 0  # (B, m, n)

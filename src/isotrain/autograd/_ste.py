@@ -153,9 +153,11 @@ class _FakeQuant(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, lo: float | Tensor, hi: float | Tensor, n_levels: int, clipped: bool):
+    def forward(
+        x: Tensor, lo: float | Tensor, hi: float | Tensor, n_levels: int, clipped: bool
+    ) -> Tensor:
         step = (hi - lo) / (n_levels - 1)
-        return torch.round((x.clamp(lo, hi) - lo) / step) * step + lo
+        return torch.round((x.clamp(lo, hi) - lo) / step) * step + lo  # type: ignore[arg-type]
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
@@ -197,6 +199,7 @@ def fake_quantize(
     _check_range(lo, hi)
     if isinstance(lo, Tensor) != isinstance(hi, Tensor):  # clamp wants both or neither
         ref = lo if isinstance(lo, Tensor) else hi
+        assert isinstance(ref, Tensor)  # one of the two is a tensor here
         lo, hi = (torch.as_tensor(b, dtype=ref.dtype, device=ref.device) for b in (lo, hi))
     return _FakeQuant.apply(x, lo, hi, 2 ** _check_bits(bits), clipped)
 
@@ -248,7 +251,9 @@ class _LSQ(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x: Tensor, scale: Tensor, qn: int, qp: int, grad_scale: float, clipped: bool):
+    def forward(
+        x: Tensor, scale: Tensor, qn: int, qp: int, grad_scale: float, clipped: bool
+    ) -> Tensor:
         return torch.round((x / scale).clamp(-qn, qp)) * scale
 
     @staticmethod

@@ -118,18 +118,20 @@ class MemoryReport:
         )
 
 
-def _cpu_flash_fwd(query, key, value, *args, out_shape=None, **kwargs) -> int:
+def _cpu_flash_fwd(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     return sdpa_flop_count(query, key, value)
 
 
-def _cpu_flash_bwd(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+def _cpu_flash_bwd(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+) -> int:
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
 def _flop_counter() -> FlopCounterMode:
     # NOTE [cpu sdpa flops]: torch's registry omits the CPU flash kernels; count them the same way.
     aten = torch.ops.aten
-    mapping = {}
+    mapping: dict[Any, Callable[..., int]] = {}
     if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mapping[aten._scaled_dot_product_flash_attention_for_cpu] = _cpu_flash_fwd
         mapping[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _cpu_flash_bwd

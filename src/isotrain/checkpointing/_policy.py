@@ -42,7 +42,9 @@ __all__ = [
     "selective_policy",
 ]
 
-ContextFn = Callable[[], tuple[AbstractContextManager, AbstractContextManager]]
+ContextFn = Callable[[], tuple[AbstractContextManager[Any], AbstractContextManager[Any]]]
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
 PolicyKind = Literal["none", "full", "every", "selective", "budget"]
 
 
@@ -134,7 +136,7 @@ def _parse_budget(spec: str, arg: str) -> ACPolicy:
 
 
 # ---------------------------------------------------------------------------- selective
-def _ops(*names: str) -> frozenset:
+def _ops(*names: str) -> frozenset[Any]:
     aten = torch.ops.aten
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
@@ -162,7 +164,7 @@ def selective_policy(
     """
     ops = DEFAULT_SAVE_OPS if save_ops is None else frozenset(save_ops)
 
-    def context_fn() -> tuple[AbstractContextManager, AbstractContextManager]:
+    def context_fn() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
         mm_seen = {False: 0, True: 0}  # per checkpoint call: forward and recompute count apart
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -198,7 +200,7 @@ class CheckpointedTransformerBlock(nn.Module):
     ) -> None:
         super().__init__()
         modes = {True: "full", False: "none", "full": "full", "none": "none"}
-        mode = modes.get(checkpoint, checkpoint)  # type: ignore[call-overload]
+        mode = modes.get(checkpoint, checkpoint)
         if mode not in ("full", "none", "selective"):
             raise ValueError(
                 f"checkpoint must be True, False, 'full', 'none' or 'selective', got {checkpoint!r}"
@@ -236,7 +238,7 @@ class _Wrap:
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # Bound to the instance (types.MethodType), so deepcopy(model) rebinds it to the copy.
-    wrap: _Wrap = self._isotrain_ac
+    wrap: _Wrap = self.__dict__["_isotrain_ac"]
     prev = wrap.prev_forward
     inner = prev if prev is not None else functools.partial(type(self).forward, self)
     if _State.bypass or not torch.is_grad_enabled():
@@ -248,7 +250,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def _wrap(module: nn.Module, context_fn: ContextFn = noop_context_fn) -> None:
-    module._isotrain_ac = _Wrap(context_fn, module.__dict__.get("forward"))
+    module.__dict__["_isotrain_ac"] = _Wrap(context_fn, module.__dict__.get("forward"))
     module.forward = types.MethodType(_checkpointed_forward, module)
 
 
@@ -314,12 +316,12 @@ def apply_activation_checkpointing(
 # outside the blocks and each block's inputs (what checkpointing it keeps); each block then
 # runs alone on its captured input for its unwrapped bytes and FLOPs. Peak: full + one block.
 def _profile_blocks(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: tuple
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: Args
 ) -> tuple[int, list[int], list[int], list[int]]:
     """(bytes outside blocks, per-block unwrapped bytes, checkpointed bytes, forward FLOPs)."""
-    captured: list[tuple[tuple, dict]] = []
+    captured: list[tuple[Args, Kwargs]] = []
 
-    def capture(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+    def capture(mod: nn.Module, args: Args, kwargs: Kwargs) -> None:
         captured.append((args, kwargs))
 
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for _, m in blocks]
@@ -340,7 +342,7 @@ def _profile_blocks(
 
 
 def _saved_bytes(
-    model: nn.Module, blocks: list[tuple[str, nn.Module]], args: tuple, kwargs: dict | None = None
+    model: nn.Module, blocks: list[tuple[str, nn.Module]], args: Args, kwargs: Kwargs | None = None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Per-block saved bytes ('' = outside blocks) and forward FLOPs of one forward."""
     with torch.random.fork_rng(devices=cuda_devices(args)), torch.enable_grad():
@@ -379,7 +381,7 @@ def _plan_budget(
             break
         chosen.append(i)
     # Verify with a real measurement (cross-block sharing can shift bytes); add blocks if needed.
-    for i in [*order[len(chosen) :], None]:
+    for extra in [*order[len(chosen) :], None]:
         for j in chosen:
             _wrap(blocks[j][1])
         try:
@@ -387,7 +389,7 @@ def _plan_budget(
         finally:
             for j in chosen:
                 _unwrap(blocks[j][1])
-        if total <= budget or i is None:
+        if total <= budget or extra is None:
             break
-        chosen.append(i)
+        chosen.append(extra)
     return [blocks[j][1] for j in sorted(chosen)]

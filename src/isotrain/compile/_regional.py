@@ -131,7 +131,8 @@ class _FallbackGroup:
     """The modules of one compile_model call: they fall back to eager together."""
 
     def __init__(self, backend: object) -> None:
-        self.backend, self.modules, self.failed = backend, [], False
+        self.backend, self.failed = backend, False
+        self.modules: list[nn.Module] = []
 
     def disable(self, err: BaseException) -> None:
         for m in self.modules:
@@ -151,7 +152,9 @@ class _FallbackGroup:
 class _GuardedCall:
     __slots__ = ("compiled", "group", "module")
 
-    def __init__(self, module: nn.Module, compiled: Callable, group: _FallbackGroup) -> None:
+    def __init__(
+        self, module: nn.Module, compiled: Callable[..., Any], group: _FallbackGroup
+    ) -> None:
         self.module, self.compiled, self.group = module, compiled, group
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -227,7 +230,9 @@ def compile_model(
     for m in targets:
         m.compile(**kwargs)
         if fallback:
-            set_compiled_call(m, _GuardedCall(m, compiled_call(m), group))
+            compiled = compiled_call(m)
+            assert compiled is not None  # m.compile() just installed it
+            set_compiled_call(m, _GuardedCall(m, compiled, group))
             group.modules.append(m)
     return model
 
@@ -384,13 +389,14 @@ def warmup(
     Example: ``stats = warmup(model, [torch.zeros(8, L, dtype=torch.long) for L in buckets])``.
     """
     batches = list(example_batches)
-    is_module = isinstance(model_or_fn, nn.Module)
-    if params is None and is_module:
-        params = model_or_fn.parameters()
+    module = model_or_fn if isinstance(model_or_fn, nn.Module) else None
+    if params is None and module is not None:
+        params = module.parameters()
     elif params is None and backward:
         raise ValueError("warmup(fn, ...) with backward=True needs params=; or backward=False")
     wrt = [p for p in (params or ()) if p.requires_grad]
-    buffers = [b.detach().clone() for b in model_or_fn.buffers()] if is_module else []
+    own_buffers = list(module.buffers()) if module is not None else []
+    buffers = [b.detach().clone() for b in own_buffers]
     n_shapes = len(batches) * (2 if also_eval else 1)
     with (
         track_compiles() as stats,
@@ -406,6 +412,6 @@ def warmup(
                 with _eval_no_grad(model_or_fn):
                     model_or_fn(*args, **kwargs)
         with torch.no_grad():
-            for b, saved in zip(model_or_fn.buffers() if is_module else (), buffers, strict=True):
+            for b, saved in zip(own_buffers, buffers, strict=True):
                 b.copy_(saved)
     return stats

@@ -55,7 +55,9 @@ _GLOBALS: dict[str, Callable[[], Any]] = {
 }
 
 
-def _module_flags(modules: tuple[nn.Module, ...]) -> tuple[list[tuple], list[tuple]]:
+def _module_flags(
+    modules: tuple[nn.Module, ...],
+) -> tuple[list[tuple[str, nn.Module, bool]], list[tuple[str, nn.Parameter, bool]]]:
     """Return [(label, module, training)] and [(label, param, requires_grad)]."""
     mods, params = [], []
     for i, root in enumerate(modules):

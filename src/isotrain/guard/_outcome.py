@@ -54,9 +54,9 @@ class StepOutcome:
 
 
 # The skip flags in priority order (the first set one is the reason).
-_FLAG_CODES = (SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
-               SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE)  # fmt: skip
-_FLAG_CODES = tuple(int(c) for c in _FLAG_CODES)
+_FLAG_CODES: tuple[int, ...] = tuple(int(c) for c in (  # plain ints: cheap on the host path
+    SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
+    SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE))  # fmt: skip
 
 
 def _host_reason(

@@ -267,7 +267,8 @@ class Rollback:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.every, self.patience, self.max_rollbacks = every, patience, max_rollbacks
         self.cooldown_factor, self.cooldown_steps = cooldown_factor, cooldown_steps
-        self.skip_batches, self.rollbacks, self.last_rollback_step = skip_batches, 0, None
+        self.skip_batches, self.rollbacks = skip_batches, 0
+        self.last_rollback_step: int | None = None
         self.snapshot(step=0, applied=0)
 
     def snapshot(self, *, step: int, applied: int) -> None:

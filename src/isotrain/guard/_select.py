@@ -71,7 +71,7 @@ class SelectiveStep:
         with sync_check():
             self._restore(ok)
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], list[tuple[dict, Any, Any]]]:
+    def _snapshot(self) -> tuple[list[torch.Tensor], list[tuple[dict[str, Any], Any, Any]]]:
         """Copy params and optimizer state tensors that the step may change (non-fused path)."""
         fresh, host_state, tensors = [], [], []
         for group in self.optimizer.param_groups:
@@ -123,7 +123,9 @@ class SelectiveStep:
                 on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where select ...]
             torch.where(on_device[cur.device], cur, old, out=cur)  # selection, NaN-safe
 
-    def _undo_host_state(self, ok: torch.Tensor, fresh: list, host_state: list) -> None:
+    def _undo_host_state(
+        self, ok: torch.Tensor, fresh: list[torch.Tensor], host_state: list[Any]
+    ) -> None:
         state = self.optimizer.state
         new = [p for p in fresh if any(v is not None for v in state.get(p, {}).values())]
         changed = [(s, k, v) for s, k, v in host_state if s.get(k) is not v and s.get(k) != v]

@@ -94,6 +94,7 @@ def _named_trainable(
     model: nn.Module | Iterable[torch.Tensor] | None, optimizer: torch.optim.Optimizer
 ) -> tuple[list[str], list[torch.Tensor]]:
     """Names and parameters the guard watches: the model's trainable ones, else the optimizer's."""
+    named: list[tuple[str, torch.Tensor]]
     if isinstance(model, nn.Module):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     else:
@@ -158,11 +159,12 @@ class StepGuard:
         self.host = self.skip_mode == "host"
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
-            kw = {"n_series": 2, "k": spike_k, "window": spike_window}
             self.spikes = (
-                HostSpikeDetector(**kw, min_samples=spike_min_samples)
+                HostSpikeDetector(k=spike_k, window=spike_window, min_samples=spike_min_samples)
                 if self.host
-                else SpikeDetector(**kw, min_samples=spike_min_samples, device=dev)
+                else SpikeDetector(
+                    k=spike_k, window=spike_window, min_samples=spike_min_samples, device=dev
+                )
             )
         self.steps = 0  # attempted steps (a host int: it advances every call)
         self._world_size: int | None = None
@@ -206,6 +208,7 @@ class StepGuard:
             ok, reason, loss32, norm_g = self._decide(loss, norm, found_inf)
             if self.max_norm is not None and grads:
                 nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
+        assert self._select is not None  # built for every device mode
         self._select.run(ok, self.sync_check)
         with self.sync_check():
             if self.scaler is not None:
@@ -281,16 +284,14 @@ class StepGuard:
     def _grad_norm(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         # Same grouping and reduction order as nn.utils.get_total_norm (so clipping is bitwise the
         # same as clip_grad_norm_), keeping the per-tensor norms for `nonfinite_grad_names`.
-        grads = [p.grad for p in self.params]
-        index = list(range(len(grads)))
-        if any(g is None for g in grads):
-            index = [i for i, g in zip(index, grads) if g is not None]
-            grads = [grads[i] for i in index]  # type: ignore[misc]
+        index = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [g for g in (p.grad for p in self.params) if g is not None]
         if not grads:
             self._grad_per, self._grad_order = None, ([], [])
-            return grads, torch.zeros((), device=self.device)  # type: ignore[return-value]
-        norms, order = [], []
-        groups = group_by_device_and_dtype(grads)  # type: ignore[arg-type]
+            return grads, torch.zeros((), device=self.device)
+        norms: list[torch.Tensor] = []
+        order: list[int] = []
+        groups = group_by_device_and_dtype(grads)
         for (device, _), (dev_grads, idx) in groups.items():
             norms.extend(foreach_norms(dev_grads, device))
             order.extend(idx)
@@ -300,7 +301,7 @@ class StepGuard:
         if hasattr(per, "full_tensor"):  # FSDP2 DTensor grads: reduce the per-shard norms
             per = per.full_tensor()
         self._grad_per, self._grad_order = per, (index, order)
-        return grads, torch.linalg.vector_norm(per, 2.0)  # type: ignore[return-value]
+        return grads, torch.linalg.vector_norm(per, 2.0)
 
     def _loss32(self, loss: torch.Tensor | float) -> torch.Tensor:
         """The loss as a fresh () float32 tensor on the guard's device (step runs under no_grad)."""
@@ -324,8 +325,8 @@ class StepGuard:
         if found_inf is not None:
             self._agree_found_inf(overflow)
         spike = torch.zeros(2, dtype=torch.bool, device=self.device)
-        if self.spikes is not None:
-            spike = self.spikes.is_spike(vec[:2])  # type: ignore[arg-type]
+        if isinstance(self.spikes, SpikeDetector):
+            spike = self.spikes.is_spike(vec[:2])
         flags = [~loss32.isfinite(), overflow, ~norm_g.isfinite(), spike[0], spike[1]]
         reason = torch.zeros((), dtype=torch.int64, device=self.device)
         for flag, code in reversed(list(zip(flags, _FLAG_CODES))):  # first listed wins
@@ -446,8 +447,8 @@ class StepGuard:
                 f"unknown StepGuard state version {state.get('version')!r}; expected 1"
             )
         self.steps = int(state["steps"])
-        counts = [state["applied"].view(1), state["by_reason"], state["consecutive"].view(1)]
-        counts = torch.cat([c.to(torch.int64).cpu() for c in counts])
+        parts = [state["applied"].view(1), state["by_reason"], state["consecutive"].view(1)]
+        counts = torch.cat([c.to(torch.int64).cpu() for c in parts])
         if self.host:
             self._counts, self._last = counts.tolist(), state["last"].float().tolist()
         else:

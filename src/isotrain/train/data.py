@@ -163,8 +163,8 @@ def load_corpus(
             tr, va = _split_tail(arr, val_fraction)
             return _checked(Corpus(tr, va, str(p), vocab_size), path)
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file())
-            train, val = _read_files(files, max_bytes, val_fraction, str(p))
+            found = sorted(f for f in p.rglob("*") if f.is_file())
+            train, val = _read_files(found, max_bytes, val_fraction, str(p))
         else:
             train, val = _read_files([p], max_bytes, 0.0, str(p))
         if not val:  # a single file, or too few files to hold one out: split the bytes

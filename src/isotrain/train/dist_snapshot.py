@@ -104,8 +104,8 @@ def save_sharded(
 
     `payload` is what rank 0 stores beside the shards (model and optimizer go to the shards).
     """
-    from torch.distributed.checkpoint import save
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     rank, world = _world()
     root = Path(run_dir) / "snapshots"
@@ -135,12 +135,12 @@ def barrier() -> None:
 
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load an FSDP2 snapshot's shards into the sharded `model` and `optimizer` (collective)."""
-    from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     shards = check_shard_files(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
     load(state, checkpoint_id=shards)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
@@ -154,7 +154,7 @@ def load_full_model(path: str | Path, model: nn.Module) -> nn.Module:
 
         model = load_full_model("runs/x/snapshots/step_0000400", build_model(cfg))
     """
-    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     shards = check_shard_files(path)
     sd = model.state_dict()

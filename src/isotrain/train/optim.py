@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from isotrain.train.config import OptimConfig
 __all__ = ["build_optimizer", "lr_at", "set_lr"]
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Matrices (Linear, Embedding weights) decay; biases and norm gains do not.
 
     Tied parameters appear once (named_parameters deduplicates them).

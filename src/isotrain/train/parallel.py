@@ -11,6 +11,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -173,11 +174,12 @@ def no_grad_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
         with model.no_sync():
             yield
     elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+        toggle: Any = model.set_requires_gradient_sync
+        toggle(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            toggle(True)
     else:
         yield
 

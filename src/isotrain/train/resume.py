@@ -54,14 +54,16 @@ def save_run(run: Run) -> Path | None:
     }
     if info.distributed:
         payload["rng_per_rank"] = gather_to_main(rng)  # collective: every rank gets here
-    where = {"step": st.step, "val_loss": st.last_val, "keep": run.cfg.snapshot.keep}
+    step, val, keep = st.step, st.last_val, run.cfg.snapshot.keep
     if run.cfg.parallel.mode == "fsdp":
-        path = save_sharded(run.cfg.out_dir, run.model, run.optimizer, payload, **where)
-        return path if info.is_main else None
-    path = None
+        sharded = save_sharded(
+            run.cfg.out_dir, run.model, run.optimizer, payload, step=step, val_loss=val, keep=keep
+        )
+        return sharded if info.is_main else None
+    path: Path | None = None
     if info.is_main:
         payload.update(model=run.model.state_dict(), optimizer=run.optimizer.state_dict())
-        path = save_snapshot(run.cfg.out_dir, payload, **where)
+        path = save_snapshot(run.cfg.out_dir, payload, step=step, val_loss=val, keep=keep)
     if info.distributed:
         barrier()  # the snapshot is complete on return, on every rank
     return path

@@ -18,6 +18,7 @@ from torch import nn
 from isotrain.compile import default_buckets
 from isotrain.train import data as data_mod
 from isotrain.train.config import TrainConfig
+from isotrain.train.model import GPT
 from isotrain.train.parallel import DistInfo
 
 __all__ = ["Batches", "Run", "TrainState", "Updater", "bucket_lengths"]
@@ -119,7 +120,7 @@ class Run:
     cfg: TrainConfig
     dist: DistInfo
     batches: Batches
-    model: nn.Module
+    model: GPT
     train_model: nn.Module
     optimizer: torch.optim.Optimizer
     updater: Updater

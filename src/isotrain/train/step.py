@@ -21,7 +21,9 @@ from isotrain.train.state import Run
 __all__ = ["evaluate", "forward", "precision_context", "train_step"]
 
 
-def precision_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+def precision_context(
+    precision: str, device: torch.device
+) -> contextlib.AbstractContextManager[Any]:
     """The autocast context of `precision` ("fp32": none) for forward passes on `device`."""
     if precision == "fp32":
         return contextlib.nullcontext()
@@ -50,6 +52,7 @@ def train_step(run: Run) -> Any:
         loss_sum = used if loss_sum is None else loss_sum.detach() + used.detach()
         st.tokens_seen += n * run.dist.world_size
     set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
+    assert loss_sum is not None  # grad_accum >= 1 (validated)
     outcome = run.updater.step(loss_sum, st.step)
     run.updater.recover(st.step)  # roll back after too many skips (its own cadence)
     st.step += 1

@@ -48,7 +48,7 @@ class PlainUpdater:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss
 
-    def step(self, loss: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+    def step(self, loss: torch.Tensor, step: int) -> Any:
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm or float("inf"))
@@ -60,14 +60,14 @@ class PlainUpdater:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss.detach(), "grad_norm": norm}
 
-    def read(self, outcome: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def read(self, outcome: Any) -> dict[str, Any]:
         # mean over ranks (all ranks log at the same steps); an FSDP DTensor gives its full value
         return {k: float(all_reduce_mean(v)) for k, v in outcome.items()}  # sync: log step only
 
     def lr_factor(self, step: int) -> float:
         return 1.0
 
-    def recover(self, step: int) -> None:
+    def recover(self, step: int) -> Any:
         """No recovery without the guard: nothing was skipped."""
 
     def mark_good(self, step: int) -> None:
