@@ -7,11 +7,13 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
 EXAMPLE_MARKERS = ("Example", ">>>", "::")
 
 # Public names that still lack an example in their docstring, owned by other modules' authors.
@@ -124,3 +126,18 @@ def test_build_docs_writes_every_public_name(tmp_path: Path, capsys) -> None:
         missing += [f"{module_name}.{n}" for n in names if f'id="{n}"' not in html]
     assert not missing, f"names absent from the HTML reference: {missing}"
     assert "view-source" in (out / "isotrain" / "guard.html").read_text(encoding="utf-8")
+
+
+def test_readme_layout_names_every_package_and_module() -> None:
+    """The README's layout block and the source tree agree, in both directions."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    src = ROOT / "src" / "isotrain"
+    named = set(re.findall(r"src/isotrain/([\w/.]+)", block))
+    for entry in named:
+        assert (src / entry).exists(), f"README layout names src/isotrain/{entry}: missing"
+    tops = {p.name + ("/" if p.is_dir() else "") for p in src.iterdir() if p.name != "__pycache__"}
+    tops -= {"py.typed", "__main__.py"}
+    assert tops <= named, f"not in the README layout: {sorted(tops - named)}"
+    train = {p.name for p in (src / "train").glob("*.py") if p.name != "__init__.py"}
+    assert all(name in block for name in train), sorted(n for n in train if n not in block)
