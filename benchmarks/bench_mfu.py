@@ -48,7 +48,7 @@ from common import (
     write_results,
 )
 from figures import pyplot
-from loops import SMALL, Isotrain, Plain, Variant, build, interleave, loss_check, losses, skipped
+from loops import SMALL, VARIANTS, Variant, build, interleave, loss_check, losses, skipped
 from loops import train_config as make_config
 from stats import Stopper, fmt_ci, paired_ratios, summarize
 
@@ -162,18 +162,19 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         SMALL, batch_size=args.batch, n_layer=args.layers, d_model=args.d_model,
         n_head=args.heads, block_size=args.block, dropout=0.0,
     )  # fmt: skip
-    precisions = args.precisions.split(",")
+    precisions, loops = args.precisions.split(","), args.loops.split(",")
     specs = {}
     for prec in precisions:
         cfg = make_config(shape, precision=prec)
-        specs[f"plain {prec}"], specs[f"isotrain {prec}"] = (Plain, cfg), (Isotrain, cfg)
+        for loop in loops:
+            specs[f"{loop} {prec}"] = (VARIANTS[loop], cfg)
     variants = build(specs)
     before = losses(variants)
     flops = {n: step_flops(v) for n, v in variants.items()}
     first = peaks(args, None)
     times: dict[str, dict[str, list[float]]] = {}
     stopper = Stopper(
-        lambda: tracked(times.get(args.clock, {}), precisions),
+        lambda: tracked(times.get(args.clock, {}), precisions, loops),
         min_rounds=min(args.min_rounds, args.rounds),
         max_rounds=args.rounds,
         check_every=5,
@@ -194,21 +195,25 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "stopping": stopper.record(len(next(iter(times[args.clock].values())))),
         "losses": {"before": before, "after": after},
     }
-    res["ratios"] = {k: summarize(v) for k, v in tracked(times[args.clock], precisions).items()}
+    ratios = tracked(times[args.clock], precisions, loops)
+    res["ratios"] = {k: summarize(v) for k, v in ratios.items()}
     res["checks"] = checks(before, after, precisions, skipped(variants))
     res["notes"] = verdicts(res)
     return res
 
 
-def tracked(times: dict[str, list[float]], precisions: list[str]) -> dict[str, list[float]]:
+def tracked(
+    times: dict[str, list[float]], precisions: list[str], loops: list[str]
+) -> dict[str, list[float]]:
     """The paired ratios the stopping rule watches and the table reports."""
     if not times or not next(iter(times.values())):
         return {}
     out = {}
     for prec in precisions:
-        pair = {k: times[k] for k in (f"plain {prec}", f"isotrain {prec}")}
-        out[f"isotrain vs plain, {prec}"] = paired_ratios(pair, f"plain {prec}")[f"isotrain {prec}"]
-    for prec in precisions[1:]:  # speed of each precision relative to the first (fp32)
+        for loop in (x for x in loops if x != "plain"):
+            pair = {k: times[f"{k} {prec}"] for k in ("plain", loop)}
+            out[f"{loop} vs plain, {prec}"] = paired_ratios(pair, "plain")[loop]
+    for prec in precisions[1:] if "isotrain" in loops else []:  # relative to the first (fp32)
         pair = {k: times[f"isotrain {k}"] for k in (precisions[0], prec)}
         out[f"isotrain {prec} vs {precisions[0]}"] = paired_ratios(pair, precisions[0])[prec]
     return out
@@ -235,7 +240,7 @@ def checks(
 ) -> dict[str, Any]:
     out = {}
     for prec in precisions:
-        keys = (f"plain {prec}", f"isotrain {prec}")
+        keys = [k for k in before if k.endswith(f" {prec}")]
         ok, detail = loss_check(
             {k: before[k] for k in keys}, {k: after[k] for k in keys}, rel_tol=LOSS_TOL[prec]
         )
@@ -280,7 +285,7 @@ def markdown(res: dict[str, Any]) -> str:
     for name, v in res["variants"].items():
         loop, prec = name.split(" ")
         own = res["dtype_peaks"][prec]["gflops"]
-        ratio = res["ratios"].get(f"isotrain vs plain, {prec}") if loop == "isotrain" else None
+        ratio = res["ratios"].get(f"{loop} vs plain, {prec}")
         lines.append(
             f"| {prec} | {loop} | {fmt_ci(v['s_per_step'], 1, scale=1e3)} "
             f"| {v['tokens_per_s']:,.0f} "
@@ -337,6 +342,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--precisions", default="fp32,bf16", help="step precisions, fp32 first")
+    p.add_argument(
+        "--loops", default="plain,isotrain", help="plain first; nanogpt too if time allows"
+    )
     p.add_argument("--peak-dtypes", default="fp32,bf16,fp16", help="dtypes for the core peak")
     p.add_argument("--layers", type=int, default=SMALL.n_layer)
     p.add_argument("--heads", type=int, default=SMALL.n_head)

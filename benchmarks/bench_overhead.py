@@ -71,6 +71,7 @@ COLUMNS = [
     "ms/step (median)",
     "extra ms/step vs plain, paired [95% CI]",
     "ATen ops/step",
+    "Python calls/step",
     "wall ms/step",
 ]
 TARGET_MS = 0.05
@@ -165,6 +166,16 @@ def update_phase(shape: Shape, reps: int) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- cProfile split
+def python_calls(v: Variant, steps: int) -> float:
+    """Python and builtin function calls per step (cProfile's count: it does not depend on load)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        v.step()
+    pr.disable()
+    return sum(nc for (_, nc, _, _, _) in pstats.Stats(pr).stats.values()) / steps  # type: ignore[attr-defined]
+
+
 PHASES = {  # label: "file suffix:function"; a phase whose function is gone is left out
     "StepGuard.step (all)": "guard/_step.py:step",
     "_host_step (CPU mode)": "guard/_step.py:_host_step",
@@ -231,7 +242,7 @@ def markdown(res: dict[str, Any]) -> str:
         over = fmt_ci(r["overhead_ms"]) if r.get("overhead_ms") else "0 (reference)"
         lines.append(
             f"| {name} | {r['ms_per_step']:.3f} | {over} | {r['ops_per_step']:.0f} "
-            f"| {r['wall_ms_per_step']:.3f} |"
+            f"| {r['python_calls_per_step']:.0f} | {r['wall_ms_per_step']:.3f} |"
         )
     if res.get("guard_ms"):
         lines += ["", f"The guard inside a full step (isotrain minus isotrain-noguard, paired per "
@@ -278,19 +289,29 @@ def verdicts(res: dict[str, Any]) -> list[str]:
             f"plain step: {fmt_ci(iso)} ms -> {verdict}."
         )
     if res.get("guard_ms"):
-        out.append(f"- Of that, the guard (on minus off, paired): {fmt_ci(res['guard_ms'])} ms.")
-    for peer in ("isotrain-noguard", "nanogpt"):
+        on, off = v["isotrain"], v["isotrain-noguard"]
+        ops = on["ops_per_step"] - off["ops_per_step"]
+        calls = on["python_calls_per_step"] - off["python_calls_per_step"]
+        why = ": its cost is Python, not tensor work" if ops <= 0 < calls else ""
+        out.append(
+            f"- Of that, the guard (on minus off, paired): {fmt_ci(res['guard_ms'])} ms, with "
+            f"{ops:+.0f} ATen ops and {calls:+.0f} Python calls per step{why}."
+        )
+    for peer in ("isotrain", "isotrain-noguard", "nanogpt"):
         if v.get(peer, {}).get("overhead_ms"):
             o, ops = v[peer]["overhead_ms"], v[peer]["ops_per_step"] - v["plain"]["ops_per_step"]
-            out.append(f"- {peer} vs tuned plain: {fmt_ci(o)} ms/step, {ops:+.0f} ATen ops.")
+            calls = v[peer]["python_calls_per_step"] - v["plain"]["python_calls_per_step"]
+            out.append(
+                f"- {peer} vs tuned plain: {fmt_ci(o)} ms/step, {ops:+.0f} ATen ops, "
+                f"{calls:+.0f} Python calls per step."
+            )
     u = res["update_phase"]
     g, plain = u["StepGuard"], u["clip + step"]
     spike = g["ms"] - u["StepGuard, no spike detector"]["ms"]
     out.append(
         f"- Update phase alone: the guard dispatches {g['ops']:.0f} ATen ops against "
         f"{plain['ops']:.0f} for clip + step and costs {fmt_ci(g['extra_ms'])} ms more "
-        f"(the spike window: {spike:.3f} ms of it); the rest of the guard's cost in a full "
-        "step is Python around the decision (see the cProfile split)."
+        f"(the spike window: {spike:.3f} ms of it)."
     )
     return out
 
@@ -311,6 +332,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             "overhead_ms": summarize(extra[name]) if name in extra else None,
             "overhead_per_round": extra.get(name),
             "ops_per_step": aten_ops_per_step(variants[name], args.profile_steps)["per_step"],
+            "python_calls_per_step": python_calls(variants[name], args.profile_steps),
         }
     skips = skipped(variants)
     ok, detail = loss_check(before, after, rel_tol=1e-3)
