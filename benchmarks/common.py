@@ -17,7 +17,7 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ def out_dir(args: argparse.Namespace) -> Path:
 
 
 @contextlib.contextmanager
-def torch_threads(n: int | None):
+def torch_threads(n: int | None) -> Iterator[None]:
     """Set torch's intra-op thread count for the block, then put the old count back."""
     old = torch.get_num_threads()
     if n:
@@ -120,7 +120,9 @@ def machine_line(meta: dict[str, Any]) -> str:
     )
 
 
-def run_meta(script: str, argv: list[str] | None, load_before: float, device: str = "cpu"):
+def run_meta(
+    script: str, argv: list[str] | None, load_before: float, device: str = "cpu"
+) -> dict[str, Any]:
     """The `meta` block of a result: machine, load before and after, the command."""
     meta = machine(device)
     meta.update(
