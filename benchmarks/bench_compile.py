@@ -11,9 +11,15 @@ Part 2 (recompiles): documents of random length (4..block tokens), batches of 8,
 policies: pad to the batch's longest with dynamic=False, the same with dynamic=None (dynamo
 marks the length dynamic after the second shape), and pad_to_bucket + dynamic=False + warmup.
 
-    .venv/bin/python benchmarks/bench_compile.py                 # ~5 minutes on 2 shared cores
-    .venv/bin/python benchmarks/bench_compile.py --quick         # seconds (aot_eager backend)
+Step-time rounds continue until every speedup's 95% interval is within +-2% (stats.Stopper).
+Checks: every compiled copy ends with the eager copy's loss (same steps on the same batch), and
+the bucketed run compiles nothing after its warm-up.
+
+    python benchmarks/bench_compile.py                 # ~5-8 minutes on 2 cores
+    python benchmarks/bench_compile.py --quick         # seconds ("eager" backend), temp dir
     python benchmarks/bench_compile.py --device cuda --sizes 768x12 --seq 1024 --dtype bf16  # GPU
+
+Writes compile.{md,json} into benchmarks/results/<cpu-kind>/.
 """
 
 from __future__ import annotations
@@ -21,19 +27,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common import (
+    add_common_args,
+    check,
+    checks_md,
+    machine_line,
+    out_dir,
+    run_meta,
+    torch_threads,
+    write_results,
+)
 from isotrain.compile import (
     compile_available,
     compile_model,
@@ -43,8 +56,8 @@ from isotrain.compile import (
     track_compiles,
     warmup,
 )
+from stats import Stopper, fmt_ci, paired_ratios, summarize
 
-RESULTS = Path(__file__).parent / "results"
 VOCAB = 256  # byte tokens
 CUDA_CMD = (
     "python benchmarks/bench_compile.py --device cuda --sizes 768x12 --seq 1024 --batch 8 "
@@ -101,20 +114,24 @@ class Runner:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             logits = self.model(x)
-        F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
     def timed(self, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+        """Seconds per step: process CPU time on the CPU, wall time after a sync on CUDA."""
+        now = time.perf_counter if self.device.type == "cuda" else time.process_time
         sync(self.device)
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(steps):
-            self.step(x, y)
+            self.last_loss = self.step(x, y)
         sync(self.device)
-        return (time.perf_counter() - t0) / steps
+        return (now() - t0) / steps
 
 
 def cache_hits() -> tuple[int, int]:
@@ -150,27 +167,35 @@ def bench_size(d: int, layers: int, args: argparse.Namespace) -> list[dict]:
     variants["eager"].timed(x, y, 1)
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
-    for r in range(args.rounds):
+    stopper = Stopper(
+        lambda: paired_ratios(times, "eager"),
+        min_rounds=min(args.min_rounds, args.rounds),
+        max_rounds=args.rounds,
+    )
+    r = 0
+    while not stopper(r):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             times[name].append(variants[name].timed(x, y, args.steps))
+        r += 1
+    ratios = paired_ratios(times, "eager")
+    losses = {n: float(v.last_loss) for n, v in variants.items()}  # sync: after the timing
     rows = []
     params = sum(p.numel() for p in base.parameters())
     for name in names:
-        ratios = [e / c for e, c in zip(times["eager"], times[name], strict=True)]
         w = warm.get(name)
         rows.append(
             dict(
                 d_model=d, layers=layers, params=params, variant=name,
                 step_ms=1e3 * statistics.median(times[name]),
-                speedup=statistics.median(ratios),
-                speedup_min=min(ratios), speedup_max=max(ratios),
+                speedup=summarize(ratios[name]) if name in ratios else None,
                 compile_s=w["stats"].compile_seconds if w else 0.0,
                 first_step_s=w["stats"].wall_seconds if w else 0.0,
                 graphs=w["stats"].compilations if w else 0,
-                cache=cache_state(w, args.backend),
+                cache=cache_state(w, args.backend), final_loss=losses[name],
+                stopping=stopper.record(r),
             )
         )  # fmt: skip
-        print({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()})
+        print({k: v for k, v in rows[-1].items() if k not in ("speedup", "stopping")})
     return rows
 
 
@@ -216,45 +241,38 @@ def run_policy(policy: str, batches, args: argparse.Namespace) -> dict:
     return row
 
 
-def write(rows: list[dict], recompiles: list[dict], args: argparse.Namespace, cmd: str) -> None:
-    meta = dict(
-        command=cmd, torch=torch.__version__, device=args.device, threads=torch.get_num_threads(),
-        python=platform.python_version(), machine=platform.machine(), backend=args.backend,
-        seq=args.seq, batch=args.batch, dtype=args.dtype, rounds=args.rounds, steps=args.steps,
-        recompile_backend=args.recompile_backend, cuda_command=CUDA_CMD,
-    )  # fmt: skip
-    name = "compile_quick" if args.quick else "compile"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps(dict(meta=meta, step_time=rows, recompiles=recompiles), indent=2)
-    )
+def markdown(rows: list[dict], recompiles: list[dict], meta: dict[str, Any]) -> str:
+    a = meta["args"]
     lines = [
         "# torch.compile: step time, compile time, recompiles",
         "",
-        f"`{cmd}` (torch {torch.__version__}, {args.device}, {meta['threads']} threads, "
-        f"backend {args.backend}, T={args.seq}, B={args.batch}, {args.dtype}; shared machine). "
-        "Step = forward + backward + AdamW. Speedup: median over interleaved rounds of "
-        "eager/compiled step time [min, max]. Compile s: dynamo + backend time of the warm-up "
-        "step (forward and backward); first step s: its wall time. Cache: inductor FX-graph "
-        "cache state at the warm-up (cold = compiled from scratch).",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {machine_line(meta)}  ",
+        f"Device {a['device']}, backend {a['backend']}, T={a['seq']}, B={a['batch']}, "
+        f"{a['dtype']}. Step = forward + backward + AdamW. Speedup: per-round paired ratio of "
+        "eager to compiled step time, median [95% CI]. Compile s: dynamo + backend time of the "
+        "warm-up step (forward and backward); first step s: its wall time. Cache: inductor "
+        "FX-graph cache state at the warm-up (cold = compiled from scratch).",
         "",
-        "| d_model x layers | params | variant | step ms | speedup [min, max] | compile s "
+        "| d_model x layers | params | variant | step ms | speedup [95% CI] | compile s "
         "| first step s | graphs | cache |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        sp = fmt_ci(r["speedup"], 2) if r["speedup"] else "1 (reference)"
         lines.append(
             f"| {r['d_model']}x{r['layers']} | {r['params'] / 1e6:.2f}M | {r['variant']} "
-            f"| {r['step_ms']:.1f} | {r['speedup']:.2f} [{r['speedup_min']:.2f}, "
-            f"{r['speedup_max']:.2f}] | {r['compile_s']:.1f} | {r['first_step_s']:.1f} "
+            f"| {r['step_ms']:.1f} | {sp} | {r['compile_s']:.1f} | {r['first_step_s']:.1f} "
             f"| {r['graphs']} | {r['cache']} |"
         )
+    if rows:
+        lines += ["", f"Rounds: {rows[-1]['stopping']['reason']}."]
     if recompiles:
-        d, layers = args.recompile_size
+        d, layers = a["recompile_size"]
         lines += [
             "",
-            f"Variable-length run ({d}x{layers}, backend {args.recompile_backend}, "
-            f"{recompiles[0]['batches']} batches of {args.batch} documents, 4..{args.seq + 1} "
+            f"Variable-length run ({d}x{layers}, backend {a['recompile_backend']}, "
+            f"{recompiles[0]['batches']} batches of {a['batch']} documents, 4..{a['seq'] + 1} "
             "tokens): graphs compiled during the run (warm-up apart), recompiles, recompile-limit "
             "hits (dynamo then runs the frame eagerly), and padding overhead.",
             "",
@@ -270,58 +288,80 @@ def write(rows: list[dict], recompiles: list[dict], args: argparse.Namespace, cm
                 f"| {r['pad_fraction']:.2f} |"
             )
     lines += ["", f"To check the 20-40% GPU claim on a CUDA machine: `{CUDA_CMD}`", ""]
-    (RESULTS / f"{name}.md").write_text("\n".join(lines))
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def checks(rows: list[dict], recompiles: list[dict]) -> dict[str, Any]:
+    worst = 0.0
+    for size in {(r["d_model"], r["layers"]) for r in rows}:
+        same = [r["final_loss"] for r in rows if (r["d_model"], r["layers"]) == size]
+        worst = max(worst, (max(same) - min(same)) / abs(min(same)))
+    buckets = [r for r in recompiles if r["policy"].startswith("buckets")]
+    return {
+        "equal losses": check(
+            worst <= 1e-3,
+            f"largest relative spread eager vs compiled: {worst:.1e} (tolerance 1e-3)",
+        ),
+        "no compile after the bucket warm-up": check(
+            all(r["graphs"] == 0 for r in buckets),
+            f"graphs compiled in the bucketed run: {[r['graphs'] for r in buckets]}",
+        ),
+    }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--sizes", default="128x4,384x6", help="d_model x layers, comma-separated")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="autocast dtype")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
+    p.add_argument("--rounds", type=int, default=100, help="the most rounds per size")
+    p.add_argument("--min-rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
     p.add_argument("--backend", default="inductor")
     p.add_argument("--recompile-backend", default="aot_eager", help="backend of part 2")
     p.add_argument("--recompile-batches", type=int, default=24)
     p.add_argument("--skip-recompiles", action="store_true")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--cold", action="store_true", help="use a fresh inductor cache dir")
-    p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.seq, args.batch, args.rounds, args.steps = "64x2", 64, 4, 2, 1
-        args.backend, args.recompile_batches = "aot_eager", 12
+        args.sizes, args.seq, args.batch, args.rounds, args.min_rounds = "64x2", 64, 4, 2, 2
+        args.backend = args.recompile_backend = "eager"
+        args.recompile_batches = 8
     args.recompile_size = (128, 2) if not args.quick else (64, 2)
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    flags = sys.argv[1:] if argv is None else argv
-    cmd = " ".join(["python benchmarks/bench_compile.py", *flags])
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    out = out_dir(args)
     shared = os.path.join(tempfile.gettempdir(), "isotrain-inductor-cache")
     cache = tempfile.mkdtemp(prefix="inductor-") if args.cold else shared
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", cache)
     ok, reason = compile_available(args.backend, device=args.device)
     if not ok:
         raise SystemExit(f"backend {args.backend!r} cannot run here: {reason}")
-    rows = []
-    for size in args.sizes.split(","):
-        d, layers = (int(v) for v in size.lower().split("x"))
-        torch._dynamo.reset()
-        rows += bench_size(d, layers, args)
-    recompiles = []
-    if not args.skip_recompiles:
-        batches = doc_batches(args, args.recompile_batches)
-        for policy in ("longest, dynamic=False", "longest, dynamic=None", "buckets, dynamic=False"):
-            recompiles.append(run_policy(policy, batches, args))
-    write(rows, recompiles, args, cmd)
+    load_before = os.getloadavg()[0]
+    rows, recompiles = [], []
+    with torch_threads(args.threads):
+        for size in args.sizes.split(","):
+            d, layers = (int(v) for v in size.lower().split("x"))
+            torch._dynamo.reset()
+            rows += bench_size(d, layers, args)
+        if not args.skip_recompiles:
+            batches = doc_batches(args, args.recompile_batches)
+            for policy in ("longest, dynamic=False", "longest, dynamic=None",
+                           "buckets, dynamic=False"):  # fmt: skip
+                recompiles.append(run_policy(policy, batches, args))
+        meta = run_meta("bench_compile.py", argv, load_before, args.device)
+    meta["args"] = {k: v for k, v in vars(args).items() if k != "out"}
+    res = {"meta": meta, "step_time": rows, "recompiles": recompiles,
+           "checks": checks(rows, recompiles), "cuda_command": CUDA_CMD}  # fmt: skip
+    md = markdown(rows, recompiles, meta) + "\n".join(checks_md(res["checks"]))
+    return write_results(out, "compile", res, md)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

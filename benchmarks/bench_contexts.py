@@ -1,26 +1,36 @@
 """Cost of entering + exiting each isotrain context, next to the seed-style / plain-torch version.
 
-Run:  .venv/bin/python benchmarks/bench_contexts.py            (about a minute)
-      .venv/bin/python benchmarks/bench_contexts.py --quick    (seconds, smoke run)
+Run:  python benchmarks/bench_contexts.py            (about a minute)
+      python benchmarks/bench_contexts.py --quick    (seconds, smoke run into a temp dir)
 
 Variants are interleaved round by round; the table reports the median over rounds of the mean
-time per enter+exit, in microseconds. Writes benchmarks/results/contexts.{md,json}.
+time per enter+exit, in microseconds. Check: every isotrain context leaves the global state
+(StateAudit) as it found it. Writes contexts.{md,json} into benchmarks/results/<cpu-kind>/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from common import (
+    add_common_args,
+    check,
+    checks_md,
+    machine_line,
+    out_dir,
+    run_meta,
+    torch_threads,
+    write_results,
+)
 from isotrain.contexts import (
     StateAudit,
     autocast_if_available,
@@ -30,7 +40,7 @@ from isotrain.contexts import (
     train_mode,
 )
 
-RESULTS = Path(__file__).parent / "results"
+COLUMNS = ["context", "isotrain (µs)", "% of a tiny step", "reference", "reference (µs)", "ratio"]
 
 
 # ------------------------------------------------------------- seed-style reference versions
@@ -190,16 +200,26 @@ def run(rounds: int, n: int) -> tuple[dict, float]:
     return results, statistics.median(step_samples)
 
 
-def write(results: dict, step_us: float, args: argparse.Namespace) -> None:
-    quick = " --quick" if args.quick else ""
+def restored(cases_: dict[str, dict[str, Callable[[], AbstractContextManager]]]) -> list[str]:
+    """The isotrain contexts that left global state changed (none should)."""
+    bad = []
+    for name, variants in cases_.items():
+        with StateAudit(warn=False) as audit, variants["isotrain"]():
+            pass
+        if audit.differences:
+            bad.append(name)
+    return bad
+
+
+def markdown(results: dict, step_us: float, meta: dict[str, Any], checks: dict) -> str:
     lines = [
         "# Context enter+exit cost",
         "",
-        f"Command: `.venv/bin/python benchmarks/bench_contexts.py{quick}` "
-        f"(rounds={args.rounds}, n={args.n}; median over rounds of the mean per enter+exit; "
-        f"torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads).",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {machine_line(meta)}  ",
+        f"Rounds {meta['rounds']}, n={meta['n']}: median over rounds of the mean per enter+exit.",
         "",
-        "| context | isotrain (µs) | % of a tiny step | reference | reference (µs) | ratio |",
+        "| " + " | ".join(COLUMNS) + " |",
         "|---|---:|---:|---|---:|---:|",
     ]
     for name, r in results.items():
@@ -219,34 +239,30 @@ def write(results: dict, step_us: float, args: argparse.Namespace) -> None:
         "",
         f"Scale: one eager training step of a 2-layer transformer (d=32, T=32, B=4), timed "
         f"between the rounds under the same load, took {step_us:,.0f} µs (median).",
+        "",
     ]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "contexts.md").write_text("\n".join(lines) + "\n")
-    meta = {
-        "rounds": args.rounds,
-        "n": args.n,
-        "torch": torch.__version__,
-        "unit": "us",
-        "tiny_step_us": step_us,
-    }
-    (RESULTS / "contexts.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print("\n".join(lines))
+    return "\n".join([*lines, *checks_md(checks)])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    add_common_args(parser)
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds per case")
     parser.add_argument("--n", type=int, default=200, help="enter+exit per round")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (1 avoids oversubscription)"
-    )
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)  # the contexts are pure Python; this steadies the step
+    args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.n = 3, 30
-    write(*run(args.rounds, args.n), args)
+        args.rounds, args.n = 2, 10
+    out = out_dir(args)
+    load_before = os.getloadavg()[0]
+    with torch_threads(args.threads):  # the contexts are pure Python; this steadies the step
+        results, step_us = run(args.rounds, args.n)
+        bad = restored(cases())
+        meta = run_meta("bench_contexts.py", argv, load_before)
+    meta.update(rounds=args.rounds, n=args.n, unit="us", tiny_step_us=step_us)
+    checks = {"state restored": check(not bad, f"contexts that leaked: {bad or 'none'}")}
+    res = {"meta": meta, "results": results, "checks": checks}
+    return write_results(out, "contexts", res, markdown(results, step_us, meta, checks))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,197 +1,260 @@
-"""Cost of StepGuard: guarded vs unguarded (plain clip_grad_norm_ + optimizer.step) train steps.
+"""Cost of StepGuard: guarded against a tuned plain update (clip + optimizer.step) in a full step.
 
-Two model sizes (small transformer encoders, d=128 and d=384), AdamW for-loop (the CPU default)
-and AdamW fused. Guarded variants: skip_mode "auto" (on CPU: "host") and the accelerator path
-("select" for for-loop AdamW, "found_inf" for fused). Rounds interleave the variants (order
-rotating); each round times a few full steps (forward + backward + update) per variant; we
-report medians and the median of the per-round paired ratios against the plain step, plus the
-update phase alone (clip + step, or guard.step). One thread by default: the machine is shared.
+Two model sizes (small transformer encoders, d 128 and d 384), AdamW for-loop and AdamW fused.
+The plain update is the tuned one (parameter list kept, grads set to None); guarded variants:
+skip_mode "auto" (on the CPU: "host") and the accelerator path ("select" for the for-loop
+AdamW, "found_inf" for the fused one). The spike threshold is set so high that it never fires
+(the detector runs at full cost; no step is skipped, which is checked).
 
-    .venv/bin/python benchmarks/bench_guard.py          # ~2 minutes on 2 shared cores
-    .venv/bin/python benchmarks/bench_guard.py --quick  # seconds, a smoke run
+Rounds of one full step per variant (forward + backward + update, order rotating) continue
+until every guarded/plain ratio's 95% interval is within +-2% (stats.Stopper). Then the update
+phase alone, with the same gradients every time. One thread and process CPU time by default.
+
+    python benchmarks/bench_guard.py          # ~3-6 minutes on 2 cores
+    python benchmarks/bench_guard.py --quick  # seconds, a smoke run into a temp dir
+
+Writes guard.{md,json} into benchmarks/results/<cpu-kind>/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
+import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from common import (
+    add_common_args,
+    check,
+    checks_md,
+    machine_line,
+    out_dir,
+    run_meta,
+    torch_threads,
+    write_results,
+)
 from isotrain.guard import StepGuard
+from loops import SPIKE_K
+from stats import Stopper, fmt_ci, half_width, paired_diffs, paired_ratios, summarize
 
-RESULTS = Path(__file__).parent / "results"
+COLUMNS = [
+    "d_model",
+    "params",
+    "optimizer",
+    "skip mode",
+    "plain step ms",
+    "guarded step ms",
+    "step time guarded / plain [95% CI]",
+    "CI half-width",
+    "update ms, plain -> guarded",
+]
 
 
 def build(d: int, layers: int, seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    layer = nn.TransformerEncoderLayer(d, nhead=4, dim_feedforward=4 * d, batch_first=True)
+    layer = nn.TransformerEncoderLayer(
+        d, nhead=4, dim_feedforward=4 * d, dropout=0.0, batch_first=True
+    )  # no dropout: every variant computes the same losses (checked)
     return nn.Sequential(nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
                          nn.Linear(d, d))  # fmt: skip
 
 
 class Variant:
+    """One model + AdamW with a tuned plain update, or a StepGuard in `mode`."""
+
     def __init__(self, d: int, layers: int, opt_kind: str, mode: str | None) -> None:
         self.model = build(d, layers, seed=0)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         fused = opt_kind == "fused"
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-4, fused=fused, foreach=None if fused else False
+            self.params, lr=1e-4, fused=fused, foreach=None if fused else False
         )
         self.mode = mode or "plain"
         self.guard = None
         if mode is not None:
-            self.guard = StepGuard(self.opt, self.model, max_norm=1.0, skip_mode=mode)
+            self.guard = StepGuard(
+                self.opt, self.model, max_norm=1.0, skip_mode=mode, spike_k=SPIKE_K
+            )
 
-    def step(self, x: torch.Tensor) -> float:
-        """One train step; returns the update-phase seconds."""
-        loss = self.model(x).square().mean()
-        loss.backward()
-        t0 = time.perf_counter()
+    def update(self, loss: torch.Tensor) -> None:
         if self.guard is not None:
-            self.guard.step(loss.detach())
+            self.guard.step(loss)
         else:
-            nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            nn.utils.clip_grad_norm_(self.params, 1.0)
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
+
+    def step(self, x: torch.Tensor) -> tuple[float, float]:
+        """One train step; (step seconds, update seconds) in process CPU time."""
+        t0 = time.process_time()
+        loss = self.model(x).square().mean()
+        loss.backward()
+        t1 = time.process_time()
+        self.update(loss.detach())
+        t2 = time.process_time()
+        return t2 - t0, t2 - t1
+
+    def loss(self, x: torch.Tensor) -> float:
+        with torch.no_grad():
+            return float(self.model(x).square().mean())
+
+    def skipped(self) -> int:
+        return int(self.guard.summary()["skipped"]) if self.guard is not None else 0
 
 
-def time_steps(v: Variant, x: torch.Tensor, n: int) -> tuple[float, float]:
-    totals, updates = [], []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        updates.append(v.step(x))
-        totals.append(time.perf_counter() - t0)
-    return statistics.median(totals), statistics.median(updates)
-
-
-def bench(d: int, layers: int, opt_kind: str, rounds: int, steps: int, batch: tuple) -> list:
+def bench(d: int, opt_kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     device_mode = "found_inf" if opt_kind == "fused" else "select"
-    variants = [Variant(d, layers, opt_kind, m) for m in (None, "auto", device_mode)]
-    x = torch.randn(*batch, d, generator=torch.Generator().manual_seed(1))
+    variants = [Variant(d, 2, opt_kind, m) for m in (None, "auto", device_mode)]
+    x = torch.randn(*args.batch, d, generator=torch.Generator().manual_seed(1))
+    start = variants[0].loss(x)
     for v in variants:  # warm up: allocator, optimizer state, the guard's buffers
-        time_steps(v, x, 2)
-    rows: list[dict[str, tuple[float, float]]] = []
-    for r in range(rounds):  # within a round, variants alternate step by step (order rotating)
-        order = variants[r % 3 :] + variants[: r % 3]
-        per: dict[str, list[tuple[float, float]]] = {v.mode: [] for v in variants}
-        for _ in range(steps):
-            for v in order:
-                per[v.mode].append(time_steps(v, x, 1))
-        rows.append({m: (statistics.median(t for t, _ in ts), statistics.median(u for _, u in ts))
-                     for m, ts in per.items()})  # fmt: skip
-    n_params = sum(p.numel() for p in variants[0].model.parameters())
+        v.step(x), v.step(x)
+    steps: dict[str, list[float]] = {v.mode: [] for v in variants}
+    updates: dict[str, list[float]] = {v.mode: [] for v in variants}
+    stopper = Stopper(lambda: paired_ratios(steps, "plain", speed=False),
+                      min_rounds=args.min_rounds, max_rounds=args.rounds)  # fmt: skip
+    r = 0
+    while not stopper(r):
+        for v in variants[r % 3 :] + variants[: r % 3]:
+            t, u = v.step(x)
+            steps[v.mode].append(t)
+            updates[v.mode].append(u)
+        r += 1
+    ratios = paired_ratios(steps, "plain", speed=False)
+    losses = [v.loss(x) for v in variants]
+    n_params = sum(p.numel() for p in variants[0].params)
     out = []
     for v in variants[1:]:
         mode = v.guard.skip_mode  # type: ignore[union-attr]
-        ratios = [row[v.mode][0] / row["plain"][0] for row in rows]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out.append({
-            "d_model": d, "layers": layers, "params": n_params, "optimizer": f"AdamW {opt_kind}",
-            "skip_mode": f"{v.mode} ({mode})" if v.mode == "auto" else mode, "batch": list(batch),
-            "plain_step_ms": 1e3 * statistics.median(row["plain"][0] for row in rows),
-            "guarded_step_ms": 1e3 * statistics.median(row[v.mode][0] for row in rows),
-            "plain_update_ms": 1e3 * statistics.median(row["plain"][1] for row in rows),
-            "guarded_update_ms": 1e3 * statistics.median(row[v.mode][1] for row in rows),
-            "ratio_median": statistics.median(ratios), "ratio_q1": q[0], "ratio_q3": q[2],
-            "rounds": rounds, "steps_per_round": steps,
+            "d_model": d, "params": n_params, "optimizer": f"AdamW {opt_kind}",
+            "skip_mode": f"auto ({mode})" if v.mode == "auto" else mode,
+            "plain_step_ms": 1e3 * statistics.median(steps["plain"]),
+            "guarded_step_ms": 1e3 * statistics.median(steps[v.mode]),
+            "plain_update_ms": 1e3 * statistics.median(updates["plain"]),
+            "guarded_update_ms": 1e3 * statistics.median(updates[v.mode]),
+            "ratio": summarize(ratios[v.mode]), "stopping": stopper.record(r),
+            "skipped": v.skipped(), "loss_start": start, "loss_plain": losses[0],
+            "loss_guarded": losses[variants.index(v)],
         })  # fmt: skip
     return out
 
 
-def bench_update(d: int, layers: int, opt_kind: str, reps: int) -> dict:
+def bench_update(d: int, opt_kind: str, reps: int, batch: tuple[int, int]) -> dict[str, Any]:
     """The update phase alone, with the same gradients every time: less noise than full steps."""
     device_mode = "found_inf" if opt_kind == "fused" else "select"
-    variants = [Variant(d, layers, opt_kind, m) for m in (None, "auto", device_mode)]
-    x = torch.randn(4, 64, d, generator=torch.Generator().manual_seed(1))
+    variants = [Variant(d, 2, opt_kind, m) for m in (None, "auto", device_mode)]
+    x = torch.randn(*batch, d, generator=torch.Generator().manual_seed(1))
     variants[0].model(x).square().mean().backward()
-    grads = [p.grad.clone() for p in variants[0].model.parameters()]  # type: ignore[union-attr]
+    grads = [p.grad.clone() for p in variants[0].params]  # type: ignore[union-attr]
     times: dict[str, list[float]] = {v.mode: [] for v in variants}
     for r in range(reps + 2):
         for v in variants[r % 3 :] + variants[: r % 3]:
-            for p, g in zip(v.model.parameters(), grads, strict=True):
+            for p, g in zip(v.params, grads, strict=True):
                 p.grad = g.clone()
-            t0 = time.perf_counter()
-            if v.guard is not None:
-                v.guard.step(torch.tensor(1.0))
-            else:
-                nn.utils.clip_grad_norm_(v.model.parameters(), 1.0)
-                v.opt.step()
-                v.opt.zero_grad(set_to_none=True)
+            t0 = time.process_time()
+            v.update(torch.tensor(1.0))
             if r >= 2:  # the first two rounds warm up
-                times[v.mode].append(time.perf_counter() - t0)
-    med = {m: 1e3 * statistics.median(t) for m, t in times.items()}
+                times[v.mode].append(1e3 * (time.process_time() - t0))
+    extra = paired_diffs(times, "plain")
     return {"d_model": d, "optimizer": f"AdamW {opt_kind}", "reps": reps,
-            "update_ms": med, "device_mode": device_mode}  # fmt: skip
+            "update_ms": {m: statistics.median(t) for m, t in times.items()},
+            "extra_ms": {m: summarize(e) for m, e in extra.items()},
+            "device_mode": device_mode}  # fmt: skip
 
 
-def write(results: list[dict], updates: list[dict], args: argparse.Namespace) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "torch": torch.__version__, "python": platform.python_version(),
-        "threads": torch.get_num_threads(), "machine": platform.machine(),
-        "command": "python benchmarks/bench_guard.py" + (" --quick" if args.quick else ""),
-    }  # fmt: skip
-    payload = {"meta": meta, "results": results, "update_only": updates}
-    (RESULTS / "guard.json").write_text(json.dumps(payload, indent=2))
+def markdown(res: dict[str, Any]) -> str:
+    m = res["meta"]
     lines = [
-        "# StepGuard overhead",
+        "# StepGuard overhead in a full training step",
         "",
-        f"`{meta['command']}` (torch {meta['torch']}, CPU, {meta['threads']} threads, shared "
-        "machine). Full train step = forward + backward + update. Ratio: median over interleaved "
-        "rounds of guarded/plain step time (IQR in brackets). Update = clip + step (+ guard).",
+        f"Command: `{m['command']}`  ",
+        f"Machine: {machine_line(m)}  ",
+        "Full step = forward + backward + update; plain = the tuned update (parameter list "
+        "kept, clip_grad_norm_, step, zero_grad(set_to_none=True)). Ratio: median of per-round "
+        "guarded/plain step times (one-step rounds, order rotating) with its 95% interval. "
+        "Clock: process CPU time.",
         "",
-        "| d_model | params | optimizer | skip_mode | plain step ms | guarded step ms "
-        "| ratio [IQR] | plain update ms | guarded update ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
-    for r in results:
+    for r in res["results"]:
         lines.append(
             f"| {r['d_model']} | {r['params'] / 1e6:.2f}M | {r['optimizer']} | {r['skip_mode']} "
-            f"| {r['plain_step_ms']:.1f} | {r['guarded_step_ms']:.1f} "
-            f"| {r['ratio_median']:.3f} [{r['ratio_q1']:.3f}, {r['ratio_q3']:.3f}] "
-            f"| {r['plain_update_ms']:.2f} | {r['guarded_update_ms']:.2f} |"
+            f"| {r['plain_step_ms']:.1f} | {r['guarded_step_ms']:.1f} | {fmt_ci(r['ratio'])} "
+            f"| +-{100 * half_width(r['ratio']):.1f}% "
+            f"| {r['plain_update_ms']:.2f} -> {r['guarded_update_ms']:.2f} |"
         )
+    stops = {r["stopping"]["reason"] for r in res["results"]}
+    lines += ["", f"Rounds: {'; '.join(sorted(stops))}.", ""]
     lines += [
+        "Update phase alone (same gradients each time; extra ms over plain, paired [95% CI]):",
         "",
-        "Update phase alone (same gradients each time, median ms over interleaved reps):",
-        "",
-        "| d_model | optimizer | plain | guarded auto | guarded device path | device path |",
+        "| d_model | optimizer | plain ms | guarded auto, extra ms | device path | extra ms |",
         "|---|---|---|---|---|---|",
     ]
-    for u in updates:
-        m = u["update_ms"]
+    for u in res["update_only"]:
+        dm = u["device_mode"]
         lines.append(
-            f"| {u['d_model']} | {u['optimizer']} | {m['plain']:.2f} | {m['auto']:.2f} "
-            f"| {m[u['device_mode']]:.2f} | {u['device_mode']} |"
+            f"| {u['d_model']} | {u['optimizer']} | {u['update_ms']['plain']:.2f} "
+            f"| {fmt_ci(u['extra_ms']['auto'])} | {dm} | {fmt_ci(u['extra_ms'][dm])} |"
         )
-    (RESULTS / "guard.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join([*lines, "", *checks_md(res["checks"])])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    rounds, steps = (3, 2) if args.quick else (args.rounds, args.steps)
-    batch = (2, 16) if args.quick else (4, 64)
+def checks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    skips = {f"d{r['d_model']} {r['optimizer']} {r['skip_mode']}": r["skipped"] for r in results}
+    worst = max(abs(r["loss_guarded"] - r["loss_plain"]) / r["loss_plain"] for r in results)
+    moved = all(r["loss_plain"] != r["loss_start"] for r in results)
+    return {
+        "no skipped steps": check(not any(skips.values()), f"skipped: {skips}"),
+        "equal losses": check(
+            worst <= 1e-3 and moved,
+            f"largest relative difference guarded vs plain after the rounds: {worst:.1e} "
+            f"(tolerance 1e-3); the plain model trained: {moved}",
+        ),
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--rounds", type=int, default=400, help="the most rounds per configuration")
+    p.add_argument("--min-rounds", type=int, default=40)
+    p.add_argument("--update-reps", type=int, default=100)
+    args = p.parse_args(argv)
+    args.sizes, args.batch = (128, 384), (4, 64)
+    if args.quick:
+        args.rounds = args.min_rounds = 3
+        args.update_reps, args.sizes, args.batch = 4, (64,), (2, 16)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    out = out_dir(args)
+    load_before = os.getloadavg()[0]
     results, updates = [], []
-    for d in (64,) if args.quick else (128, 384):
-        for opt_kind in ("for-loop", "fused"):
-            results.extend(bench(d, 2, opt_kind, rounds, steps, batch))
-            updates.append(bench_update(d, 2, opt_kind, reps=5 if args.quick else 30))
-            print(json.dumps(results[-2:]), json.dumps(updates[-1]))
-    write(results, updates, args)
+    with torch_threads(args.threads):
+        for d in args.sizes:
+            for opt_kind in ("for-loop", "fused"):
+                results += bench(d, opt_kind, args)
+                updates.append(bench_update(d, opt_kind, args.update_reps, args.batch))
+        meta = run_meta("bench_guard.py", argv, load_before)
+    res = {
+        "meta": meta,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "results": results,
+        "update_only": updates,
+        "checks": checks(results),
+    }
+    return write_results(out, "guard", res, markdown(res))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

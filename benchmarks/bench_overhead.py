@@ -1,24 +1,22 @@
 """Fixed per-step cost of each training loop, on a model so small that the step is milliseconds.
 
-The same variants as bench_trainer.py (plain loop, isotrain train_step, Lightning Fabric,
-Accelerate, and isotrain with the guard off to separate the guard from the rest of the step) on
-a 1-layer GPT (d 16, T 16, B 2). Interleaved rounds of one step per variant (order rotating):
-per-step ms, and the per-round paired overhead against the plain loop in ms. One-step rounds
-pair each step with its neighbours in time, so the machine's slow drift (the largest noise
-here) cancels; every variant then starts each step with caches as cold as the others, which
-if anything overstates Python-side costs. Then three attributions of isotrain's extra cost,
-each less noisy than the step time:
+The loops of loops.py (tuned plain loop, nanoGPT's loop, isotrain train_step, isotrain with the
+guard off, Lightning Fabric, Accelerate) on a 1-layer GPT (d 16, T 16, B 2). Interleaved rounds
+of one step per variant (order rotating): per-step ms, and the per-round paired difference to
+the tuned plain loop in ms with its 95% interval. Then three attributions of isotrain's extra
+cost, each less noisy than the step time:
 
 1. ATen operators dispatched per step (torch.profiler; a count, so it does not depend on load);
-2. the update phase alone with fixed gradients: clip + AdamW.step vs StepGuard.step, with and
-   without the spike detector, interleaved;
-3. cProfile of the guarded step: per-step time of each StepGuard phase (cProfile inflates
-   Python-heavy code, so read it as a split, not as absolute times).
+2. the update phase alone with fixed gradients: clip + fused AdamW.step vs StepGuard.step, with
+   and without the spike detector, interleaved;
+3. cProfile of the guarded step: per-step time and calls of each StepGuard phase (cProfile
+   inflates Python-heavy code, so read it as a split, not as absolute times).
 
-    .venv/bin/python benchmarks/bench_overhead.py          # ~2 minutes on 2 shared cores
-    .venv/bin/python benchmarks/bench_overhead.py --quick  # seconds, a smoke run
+    python benchmarks/bench_overhead.py          # ~3 minutes on 2 cores
+    python benchmarks/bench_overhead.py --quick  # seconds, a smoke run into a temp dir
 
-Writes benchmarks/results/overhead.{md,json,png}.
+Writes overhead.{md,json,png} into benchmarks/results/<cpu-kind>/. Checks: equal losses across
+the loops, and no step skipped by the guard.
 """
 
 from __future__ import annotations
@@ -36,48 +34,70 @@ from typing import Any
 
 import torch
 
-from bench_trainer import (
+from common import (
     CLOCKS,
-    PROBE,
-    RESULTS,
-    Isotrain,
-    Shape,
-    Variant,
-    box_plot,
-    command_line,
-    fmt_ci,
-    interleave,
-    machine,
+    add_common_args,
+    check,
+    checks_md,
+    default_clock,
     machine_line,
-    make_variants,
-    summarize,
-    train_config,
+    out_dir,
+    run_meta,
+    torch_threads,
     write_results,
 )
+from figures import dot_plot, pyplot
 from isotrain.guard import StepGuard
 from isotrain.train.optim import build_optimizer
 from isotrain.train.weights import build_model
+from loops import (
+    EARLIER_REFERENCE,
+    PROBE,
+    REFERENCE,
+    Shape,
+    Variant,
+    interleave,
+    loss_check,
+    losses,
+    make_variants,
+    skipped,
+    train_config,
+)
+from stats import fmt_ci, paired_diffs, summarize
 
-VARIANTS = "plain,isotrain,isotrain-noguard,fabric,accelerate"
+VARIANTS = "plain,nanogpt,isotrain,isotrain-noguard,fabric,accelerate"
+COLUMNS = [
+    "variant",
+    "ms/step (median)",
+    "extra ms/step vs plain, paired [95% CI]",
+    "ATen ops/step",
+    "Python calls/step",
+    "wall ms/step",
+]
+TARGET_MS = 0.05
 
 
 # ----------------------------------------------------------------------------- op counting
+def _outer_aten(prof: Any) -> Counter[str]:
+    """ATen ops that no other ATen op called (the dispatches a loop makes itself)."""
+    names: Counter[str] = Counter()
+    for e in prof.events():
+        parent = e.cpu_parent
+        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
+            names[e.name] += 1
+    return names
+
+
 def aten_ops_per_step(v: Variant, steps: int) -> dict[str, Any]:
-    """ATen ops dispatched per step, counting only outermost ones (not ops inside other ops)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             v.step()
         v.sync()
-    names: Counter[str] = Counter()
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
-            names[e.name] += 1
-    total = sum(names.values())
+    names = _outer_aten(prof)
     return {
-        "per_step": total / steps,
+        "per_step": sum(names.values()) / steps,
         "top": {k: n / steps for k, n in names.most_common(8)},
     }
 
@@ -85,6 +105,8 @@ def aten_ops_per_step(v: Variant, steps: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------- update phase alone
 class UpdateOnly:
     """The update phase with fixed gradients: what a step adds after backward."""
+
+    KINDS = ("clip + step", "StepGuard", "StepGuard, no spike detector")
 
     def __init__(self, shape: Shape, kind: str) -> None:
         cfg = train_config(shape)
@@ -97,14 +119,14 @@ class UpdateOnly:
         self.grads = [p.grad.clone() for p in self.params]  # type: ignore[union-attr]
         self.kind, self.guard = kind, None
         if kind != "clip + step":
-            spike_k = 6.0 if kind == "StepGuard" else None
+            spike_k = cfg.guard.spike_k if kind == "StepGuard" else None
             self.guard = StepGuard(self.opt, self.model, max_norm=1.0, spike_k=spike_k)
 
     def __call__(self) -> float:
         for p, g in zip(self.params, self.grads, strict=True):
             p.grad = g.clone()
         loss = torch.tensor(3.0)
-        t0 = time.process_time()  # one thread on a busy machine: CPU time, see bench_trainer
+        t0 = time.process_time()  # one thread on a busy machine: CPU time, see loops.interleave
         if self.guard is not None:
             self.guard.step(loss)
         else:
@@ -113,9 +135,18 @@ class UpdateOnly:
             self.opt.zero_grad(set_to_none=True)
         return time.process_time() - t0
 
+    def ops(self) -> float:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                self()
+        # the g.clone() of each call is outside the phase: subtract it
+        return sum(_outer_aten(prof).values()) / 3 - len(self.grads)
+
 
 def update_phase(shape: Shape, reps: int) -> dict[str, Any]:
-    kinds = ["clip + step", "StepGuard", "StepGuard, no spike detector"]
+    kinds = UpdateOnly.KINDS
     runs = {k: UpdateOnly(shape, k) for k in kinds}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(reps + 3):  # the first three rounds warm up
@@ -123,40 +154,38 @@ def update_phase(shape: Shape, reps: int) -> dict[str, Any]:
             t = runs[k]()
             if r >= 3:
                 times[k].append(t)
-    base = times["clip + step"]
+    extra = paired_diffs(times, kinds[0], scale=1e3)
     return {
         k: {
             "ms": 1e3 * statistics.median(ts),
-            "extra_ms": summarize([1e3 * (t - b) for t, b in zip(ts, base)])
-            if k != kinds[0]
-            else None,
-            "ops": _update_ops(runs[k]),
+            "extra_ms": summarize(extra[k]) if k in extra else None,
+            "ops": runs[k].ops(),
         }
         for k, ts in times.items()
     }
 
 
-def _update_ops(u: UpdateOnly) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(3):
-            u()
-    n = 0
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("aten::") and not (parent and parent.name.startswith("aten::")):
-            n += 1
-    grads_copy = len(u.grads)  # the g.clone() of each rep is outside the phase; subtract it
-    return n / 3 - grads_copy
-
-
 # --------------------------------------------------------------------------- cProfile split
-PHASES = {
+def python_calls(v: Variant, steps: int) -> float:
+    """Python and builtin function calls per step (cProfile's count: it does not depend on load)."""
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        v.step()
+    pr.disable()
+    return sum(nc for (_, nc, _, _, _) in pstats.Stats(pr).stats.values()) / steps  # type: ignore[attr-defined]
+
+
+PHASES = {  # label: "file suffix:function"; a phase whose function is gone is left out
     "StepGuard.step (all)": "guard/_step.py:step",
+    "_host_step (CPU mode)": "guard/_step.py:_host_step",
+    "_device_step (device modes)": "guard/_step.py:_device_step",
+    "_loss32": "guard/_step.py:_loss32",
     "_unscale": "guard/_step.py:_unscale",
     "_grad_norm (foreach norms)": "guard/_step.py:_grad_norm",
-    "_decide (stack, where, spike check)": "guard/_step.py:_decide",
+    "_decide (device decision)": "guard/_step.py:_decide",
+    "_host_reason (host decision)": "guard/_outcome.py:_host_reason",
+    "HostSpikeDetector.push": "guard/_spikes.py:push",
     "SpikeDetector.is_spike": "guard/_spikes.py:is_spike",
     "SpikeDetector.update": "guard/_spikes.py:update",
     "clip_grads_with_norm_": "clip_grad.py:_clip_grads_with_norm_",
@@ -164,31 +193,32 @@ PHASES = {
     "_count": "guard/_step.py:_count",
     "zero_grad": "optimizer.py:zero_grad",
     "train_step (all)": "train/step.py:train_step",
-    "batch (Batches.get)": "train/step.py:get",
+    "batch (Batches.get)": "train/state.py:get",
     "GPT.forward": "model.py:forward",
     "backward": "_tensor.py:backward",
     "lr_at + set_lr": "optim.py:set_lr",
 }
 
 
-def cprofile_split(v: Variant, steps: int) -> dict[str, float]:
-    """cProfile ms per step of the phases above (cumulative times, inflated by the profiler)."""
-    pr = cProfile.Profile(time.process_time)  # CPU time: see bench_trainer.interleave
+def cprofile_split(v: Variant, steps: int) -> dict[str, dict[str, float]]:
+    """cProfile ms and calls per step of the phases above (cumulative, profiler-inflated)."""
+    pr = cProfile.Profile(time.process_time)  # CPU time: see loops.interleave
     pr.enable()
     for _ in range(steps):
         v.step()
     pr.disable()
     stats = pstats.Stats(pr).stats  # type: ignore[attr-defined]
-    out: dict[str, float] = {}
+    out: dict[str, dict[str, float]] = {}
     for label, key in PHASES.items():
         fname, func = key.split(":")
-        cum = [
-            ct
-            for (path, _, name), (_, _, _, ct, _) in stats.items()
+        hits = [
+            (ct, nc)
+            for (path, _, name), (_, nc, _, ct, _) in stats.items()
             if path.endswith(fname) and name == func
         ]
-        if cum:
-            out[label] = 1e3 * max(cum) / steps  # max: the outermost entry of a recursive name
+        if hits:
+            ct, nc = max(hits)  # the outermost entry of a recursive name
+            out[label] = {"ms": 1e3 * ct / steps, "calls": nc / steps}
     return out
 
 
@@ -200,26 +230,29 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         f"Command: `{m['command']}`  ",
         f"Machine: {machine_line(m)}  ",
-        f"Model: GPT, {res['shape']} (a step is a few ms, so fixed costs show), fp32, fused "
-        f"AdamW, clip 1.0. {a['rounds']} interleaved rounds of {a['steps']} timed steps. "
-        f"Clock: {CLOCKS[a['clock']]}.",
+        f"Model: GPT, {res['shape']} (a step is a few ms, so fixed costs show), fp32, AdamW, "
+        f"clip 1.0. {a['rounds']} interleaved rounds of one step per variant. "
+        f"Clock: {CLOCKS[a['clock']]}. `plain` is the tuned loop (parameter list kept, fused "
+        "AdamW), the reference; `nanogpt` is nanoGPT's loop as written.",
         "",
-        "| variant | ms/step (median) | overhead vs plain, ms, paired per round "
-        "[IQR; 95% CI of median] | ATen ops/step | wall ms/step |",
-        "|---|---|---|---|---|",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
     ]
     for name, r in res["variants"].items():
         over = fmt_ci(r["overhead_ms"]) if r.get("overhead_ms") else "0 (reference)"
         lines.append(
             f"| {name} | {r['ms_per_step']:.3f} | {over} | {r['ops_per_step']:.0f} "
-            f"| {r['wall_ms_per_step']:.3f} |"
+            f"| {r['python_calls_per_step']:.0f} | {r['wall_ms_per_step']:.3f} |"
         )
+    if res.get("guard_ms"):
+        lines += ["", f"The guard inside a full step (isotrain minus isotrain-noguard, paired per "
+                  f"round): {fmt_ci(res['guard_ms'])} ms."]  # fmt: skip
     lines += [
         "",
         "Update phase alone (fixed gradients, interleaved reps, CPU time): clip + fused "
         "AdamW.step vs StepGuard.step (skip_mode auto = host on CPU)",
         "",
-        "| update | ms (median) | extra vs clip + step, ms [IQR; 95% CI] | ATen ops |",
+        "| update | ms (median) | extra vs clip + step, ms [95% CI] | ATen ops |",
         "|---|---|---|---|",
     ]
     for k, u in res["update_phase"].items():
@@ -227,138 +260,150 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"| {k} | {u['ms']:.3f} | {extra} | {u['ops']:.0f} |")
     lines += [
         "",
-        "cProfile of the isotrain step, ms per step (cumulative; cProfile inflates Python "
-        "calls, read as a split):",
+        "cProfile of the isotrain step and of the tuned plain step (cumulative ms per step and "
+        "calls per step; cProfile inflates Python calls, read as a split):",
         "",
-        "| phase | ms/step |",
-        "|---|---|",
-        *(f"| {k} | {v:.3f} |" for k, v in res["cprofile_isotrain"].items()),
-        "",
-        *res["notes"],
-        "",
+        "| phase | isotrain ms/step | calls/step | plain ms/step |",
+        "|---|---|---|---|",
     ]
+    plain = res["cprofile_plain"]
+    for k, v in res["cprofile_isotrain"].items():
+        p = f"{plain[k]['ms']:.3f}" if k in plain else ""
+        lines.append(f"| {k} | {v['ms']:.3f} | {v['calls']:.1f} | {p} |")
+    lines += ["", *res["notes"], "", *checks_md(res["checks"])]
     return "\n".join(lines)
 
 
 def verdicts(res: dict[str, Any]) -> list[str]:
-    v = res["variants"]
-    out = []
-    if "isotrain" in v and v["isotrain"].get("overhead_ms"):
-        o = v["isotrain"]["overhead_ms"]
-        met = o["median"] <= 0.05
-        out.append(
-            f"- Target: isotrain's fixed per-step cost <= 0.05 ms: measured {o['median']:.3f} ms "
-            f"(95% CI {o['ci95_lo']:.3f} to {o['ci95_hi']:.3f}) -> " + ("met" if met else "not met")
+    v, out = res["variants"], []
+    iso = v.get("isotrain", {}).get("overhead_ms")
+    if iso:
+        met = iso["ci95_hi"] <= TARGET_MS
+        verdict = (
+            "met"
+            if met
+            else ("met on the median only" if iso["median"] <= TARGET_MS else "not met")
         )
-        if v["isotrain"].get("skipped") is not None:
+        out.append(
+            f"- Target: isotrain's guarded step costs at most {TARGET_MS} ms more than the tuned "
+            f"plain step: {fmt_ci(iso)} ms -> {verdict}."
+        )
+    if res.get("guard_ms"):
+        on, off = v["isotrain"], v["isotrain-noguard"]
+        ops = on["ops_per_step"] - off["ops_per_step"]
+        calls = on["python_calls_per_step"] - off["python_calls_per_step"]
+        why = ": its cost is Python, not tensor work" if ops <= 0 < calls else ""
+        out.append(
+            f"- Of that, the guard (on minus off, paired): {fmt_ci(res['guard_ms'])} ms, with "
+            f"{ops:+.0f} ATen ops and {calls:+.0f} Python calls per step{why}."
+        )
+    for peer in ("isotrain", "isotrain-noguard", "nanogpt"):
+        if v.get(peer, {}).get("overhead_ms"):
+            o, ops = v[peer]["overhead_ms"], v[peer]["ops_per_step"] - v["plain"]["ops_per_step"]
+            calls = v[peer]["python_calls_per_step"] - v["plain"]["python_calls_per_step"]
             out.append(
-                f"- The guard skipped {v['isotrain']['skipped']} of the isotrain variant's "
-                f"{res['args']['rounds'] * res['args']['steps']} timed steps (and warm-up steps): "
-                "spikes on real data. A skipped update is cheaper; the median is robust to a few."
+                f"- {peer} vs tuned plain: {fmt_ci(o)} ms/step, {ops:+.0f} ATen ops, "
+                f"{calls:+.0f} Python calls per step."
             )
-    if "isotrain-noguard" in v and v["isotrain-noguard"].get("overhead_ms"):
-        o, ops = v["isotrain-noguard"]["overhead_ms"], v["isotrain-noguard"]["ops_per_step"]
-        out.append(
-            f"- isotrain with the guard off (PlainUpdater) differs from plain by {o['median']:.3f}"
-            f" ms/step (95% CI {o['ci95_lo']:.3f} to {o['ci95_hi']:.3f}) with "
-            f"{ops - v['plain']['ops_per_step']:+.0f} ATen ops: the plain loop, like nanoGPT, "
-            "hands `model.parameters()` to clip_grad_norm_ and so walks the module tree every "
-            "step; isotrain keeps the parameter list."
-        )
-        if "isotrain" in v and v["isotrain"].get("overhead_ms"):
-            guard = v["isotrain"]["overhead_ms"]["median"] - o["median"]
-            out.append(f"- The guard inside a full step (guard on minus off): {guard:.3f} ms.")
     u = res["update_phase"]
     g, plain = u["StepGuard"], u["clip + step"]
+    spike = g["ms"] - u["StepGuard, no spike detector"]["ms"]
     out.append(
         f"- Update phase alone: the guard dispatches {g['ops']:.0f} ATen ops against "
-        f"{plain['ops']:.0f} for clip + step (one stacked norm per device and dtype, no per-tensor "
-        f"copy) and costs {g['extra_ms']['median']:.3f} ms more, all of it Python (the spike "
-        f"window: {g['ms'] - u['StepGuard, no spike detector']['ms']:.3f} ms)."
+        f"{plain['ops']:.0f} for clip + step and costs {fmt_ci(g['extra_ms'])} ms more "
+        f"(the spike window: {spike:.3f} ms of it)."
     )
     return out
 
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    cfg = train_config(PROBE)
-    variants = make_variants(args.variants.split(","), cfg, args.threads)
-    timing = interleave(
-        variants, rounds=args.rounds, steps=args.steps, warmup=args.warmup, first_warmup=20
-    )
-    skipped = {n: v.skipped() for n, v in variants.items() if hasattr(v, "skipped")}
-    per_step = {n: [1e3 * t / args.steps for t in ts] for n, ts in timing[args.clock].items()}
-    wall = {n: [1e3 * t / args.steps for t in ts] for n, ts in timing["wall"].items()}
+    variants = make_variants(args.variants.split(","), train_config(PROBE))
+    before = losses(variants)
+    timing = interleave(variants, rounds=args.rounds, first_warmup=20)
+    after = losses(variants)
+    per_step = {n: [1e3 * t for t in ts] for n, ts in timing[args.clock].items()}
+    extra = paired_diffs(per_step, "plain")
     out: dict[str, Any] = {}
     for name, ms in per_step.items():
-        extra = [a - b for a, b in zip(ms, per_step["plain"])] if name != "plain" else None
         out[name] = {
             "ms_per_step": statistics.median(ms),
-            "wall_ms_per_step": statistics.median(wall[name]),
-            "overhead_ms": summarize(extra) if extra else None,
-            "overhead_per_round": extra,
+            "wall_ms_per_step": 1e3 * statistics.median(timing["wall"][name]),
+            "overhead_ms": summarize(extra[name]) if name in extra else None,
+            "overhead_per_round": extra.get(name),
             "ops_per_step": aten_ops_per_step(variants[name], args.profile_steps)["per_step"],
-            "skipped": skipped.get(name),
+            "python_calls_per_step": python_calls(variants[name], args.profile_steps),
         }
-    out_ops = aten_ops_per_step(variants["isotrain"], args.profile_steps)
-    iso = next(v for v in variants.values() if type(v) is Isotrain)
+    skips = skipped(variants)
+    ok, detail = loss_check(before, after, rel_tol=1e-3)
     res: dict[str, Any] = {
-        "args": vars(args),
+        "meta": run_meta("bench_overhead.py", argv, load_before),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "shape": PROBE.label(),
+        "reference": REFERENCE,
         "variants": out,
-        "isotrain_top_ops": out_ops["top"],
+        "isotrain_top_ops": aten_ops_per_step(variants["isotrain"], args.profile_steps)["top"],
         "update_phase": update_phase(PROBE, args.update_reps),
-        "cprofile_isotrain": cprofile_split(iso, args.profile_steps * 5),
+        "cprofile_isotrain": cprofile_split(variants["isotrain"], args.profile_steps * 5),
         "cprofile_plain": cprofile_split(variants["plain"], args.profile_steps * 5),
+        "skipped": skips,
+        "checks": {
+            "equal losses": check(ok, detail),
+            "no skipped steps": check(not any(skips.values()), f"skipped per variant: {skips}"),
+        },
     }
-    meta = machine()
-    meta.update(
-        load_before=round(load_before, 2),
-        load_after=meta.pop("load_avg_1m"),
-        command=command_line("bench_overhead.py", argv),
-    )
-    res["meta"], res["notes"] = meta, []
+    if "isotrain-noguard" in per_step:
+        guard = paired_diffs(per_step, "isotrain-noguard")["isotrain"]
+        res["guard_ms"] = summarize(guard)
     res["notes"] = verdicts(res)
     return res
 
 
+def plot(res: dict[str, Any], path: Path) -> None:
+    plt = pyplot()
+    rows = {n: r["overhead_ms"] for n, r in res["variants"].items() if r["overhead_ms"]}
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 0.7 * len(rows) + 1.4))
+    ref = res.get("reference", EARLIER_REFERENCE)
+    dot_plot(ax, rows, ref=0.0, xlabel=f"extra ms per step vs {ref} (0 = same)")
+    ax.axvline(TARGET_MS, color="#c44", lw=0.8, ls=":", label=f"target +{TARGET_MS} ms")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(
+        f"per-step overhead, median and 95% CI of paired rounds\n{res['shape']}", fontsize=9
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    add_common_args(p)
     p.add_argument("--variants", default=VARIANTS)
     p.add_argument("--rounds", type=int, default=3000)
-    p.add_argument("--steps", type=int, default=1, help="timed steps per variant per round")
-    p.add_argument("--warmup", type=int, default=0)
     p.add_argument("--update-reps", type=int, default=300, help="reps of the update-only part")
     p.add_argument("--profile-steps", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="see bench_trainer")
-    p.add_argument("--out", type=Path, default=RESULTS, help="results directory")
-    p.add_argument("--render", action="store_true", help="only redo md/png from the JSON")
+    p.add_argument("--render", action="store_true", help="only redraw the png from the JSON")
     args = p.parse_args(argv)
+    args.clock = default_clock("cpu", args.threads)
     if args.quick:
-        args.rounds, args.steps, args.update_reps, args.profile_steps = 3, 5, 20, 2
+        args.rounds, args.update_reps, args.profile_steps = 3, 6, 2
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    stem = "overhead_quick" if args.quick else "overhead"
-    if args.render:  # rebuild the markdown and plot from the JSON of an earlier run
-        res = json.loads((args.out / f"{stem}.json").read_text())
-        res["notes"] = verdicts(res)
-    else:
+    out = out_dir(args)
+    if args.render:  # redraw from an earlier run's JSON (no timing)
+        plot(json.loads((out / "overhead.json").read_text()), out / "overhead.png")
+        return 0
+    with torch_threads(args.threads):
         res = run(args, argv)
-    write_results(args.out, stem, res, markdown(res))
-    series = {n: r["overhead_per_round"] for n, r in res["variants"].items() if r["overhead_ms"]}
-    box_plot(
-        args.out / f"{stem}.png",
-        series,
-        title=f"per-step overhead vs the plain loop\n{res['shape']}",
-        ylabel="ms per step over plain",
-    )
+    code = write_results(out, "overhead", res, markdown(res))
+    plot(res, out / "overhead.png")
+    return code
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,29 +1,39 @@
 """Quantization-aware training: validation loss at 8 and 4 bits beside full precision.
 
 Trains the same GPT on the same batches (same seed, same steps) with `--quant.bits` 0, 8 and 4
-through the trainer, and writes benchmarks/results/qat.{md,json}.
+through the trainer, and writes qat.{md,json} into benchmarks/results/<cpu-kind>/ (losses do
+not depend on the machine's speed; the kind is kept for the torch kernels that computed them).
+Check: every run finished its steps with a finite validation loss.
 
-    python benchmarks/bench_qat.py            # tiny preset shape, 300 steps per run
-    python benchmarks/bench_qat.py --quick    # seconds: smoke preset
+    python benchmarks/bench_qat.py            # tiny preset shape, 300 steps per run (~4 min)
+    python benchmarks/bench_qat.py --quick    # seconds: smoke preset, temp dir
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
+import math
+import os
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from common import (
+    add_common_args,
+    check,
+    checks_md,
+    machine_line,
+    out_dir,
+    run_meta,
+    torch_threads,
+    write_results,
+)
 from isotrain.train.config import PRESETS, QuantConfig
 from isotrain.train.loop import train
 from isotrain.train.report import read_metrics
 
-RESULTS = Path(__file__).parent / "results"
+COLUMNS = ["weights", "val loss (nats/byte)", "vs fp32", "unigram baseline", "wall s"]
 
 
 def run(bits: int, *, quick: bool, steps: int, out: Path) -> dict:
@@ -54,23 +64,26 @@ def run(bits: int, *, quick: bool, steps: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    add_common_args(p, threads=None)
     p.add_argument("--steps", type=int, default=None)
     args = p.parse_args(argv)
-    steps = args.steps or (8 if args.quick else 300)
-    with tempfile.TemporaryDirectory() as tmp:
+    steps = args.steps or (4 if args.quick else 300)
+    out = out_dir(args)
+    load_before = os.getloadavg()[0]
+    with torch_threads(None), tempfile.TemporaryDirectory() as tmp:  # threads restored after
         rows = [run(bits, quick=args.quick, steps=steps, out=Path(tmp)) for bits in (0, 8, 4)]
-    command = "python benchmarks/bench_qat.py" + (" --quick" if args.quick else "")
+    meta = run_meta("bench_qat.py", argv, load_before)
     fp = rows[0]["val_loss"]
     lines = [
         "# Quantization-aware training: validation loss by weight precision",
         "",
-        f"`{command}` ({'smoke' if args.quick else 'tiny'} preset, {steps} steps, same seed and "
-        f"batches; torch {torch.__version__}, {platform.machine()}, "
-        f"{torch.get_num_threads()} threads). Linear weights fake-quantized per output channel "
-        "(absmax) through a straight-through estimator; the tied embedding / LM head stays fp32.",
+        f"Command: `{meta['command']}`  ",
+        f"Machine: {machine_line(meta)}  ",
+        f"{'smoke' if args.quick else 'tiny'} preset, {steps} steps, same seed and batches. "
+        "Linear weights fake-quantized per output channel (absmax) through a straight-through "
+        "estimator; the tied embedding / LM head stays fp32.",
         "",
-        "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
+        "| " + " | ".join(COLUMNS) + " |",
         "|---|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -78,12 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['bits']}{'' if r['bits'] == 'fp32' else '-bit'} | {r['val_loss']:.4f} | "
             f"{r['val_loss'] - fp:+.4f} | {r['unigram_baseline']:.4f} | {r['seconds']:.0f} |"
         )
-    RESULTS.mkdir(exist_ok=True)
-    name = "qat_quick" if args.quick else "qat"
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=2))
-    print("\n".join(lines))
-    return 0
+    ok = all(r["steps"] == steps and math.isfinite(r["val_loss"]) for r in rows)
+    detail = f"steps {[r['steps'] for r in rows]} of {steps}, losses " + str(
+        [round(r["val_loss"], 4) for r in rows]
+    )
+    checks = {"finished, finite": check(ok, detail)}
+    md = "\n".join([*lines, "", *checks_md(checks)])
+    return write_results(out, "qat", {"meta": meta, "rows": rows, "checks": checks}, md)
 
 
 if __name__ == "__main__":

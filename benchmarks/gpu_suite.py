@@ -37,30 +37,24 @@ from typing import Any
 
 import torch
 
-from bench_mfu import matmul_peak, step_flops
-from bench_trainer import (
+from bench_mfu import best_of, matmul_rates, step_flops
+from bench_trainer import table as throughput_table
+from bench_trainer import throughput as throughput_rows
+from common import QUICK_ROOT, RESULTS, command_line, machine, machine_line, write_results
+from isotrain.train.config import TrainConfig
+from loops import (
     PROBE,
-    RESULTS,
     SMALL,
     VARIANTS,
     Isotrain,
     Plain,
     Shape,
     Variant,
-    command_line,
-    fmt_ci,
     interleave,
-    machine,
-    machine_line,
-    paired_ratios,
-    summarize,
-    throughput,
-    throughput_table,
     train_config,
-    write_results,
 )
-from isotrain.train import data as data_mod
-from isotrain.train.config import TrainConfig
+from loops import build as build_variants
+from stats import fmt_ci, paired_diffs, paired_ratios, summarize
 
 SECTIONS = ("trainer", "overhead", "precision", "compile", "checkpointing", "mfu")
 NO_CUDA = (
@@ -100,22 +94,10 @@ class PlainCompiled(Plain):
 
     name = "plain+compile"
 
-    def __init__(self, cfg: TrainConfig, corpus: data_mod.Corpus | None) -> None:
+    def __init__(self, cfg: TrainConfig, corpus: Any) -> None:
         super().__init__(cfg, corpus)
         for block in self.model.blocks:  # type: ignore[union-attr]
             block.compile(backend=cfg.compile.backend)
-
-
-def build(
-    specs: dict[str, tuple[type[Variant], TrainConfig]], corpus: data_mod.Corpus
-) -> dict[str, Variant]:
-    out: dict[str, Variant] = {}
-    for label, (cls, cfg) in specs.items():
-        try:
-            out[label] = cls(cfg, corpus)
-        except ImportError as e:
-            print(f"[skip] {label}: {e}", file=sys.stderr)
-    return out
 
 
 def timed_section(
@@ -124,19 +106,18 @@ def timed_section(
     p: Plan,
     shape: Shape,
     *,
-    corpus: data_mod.Corpus,
     rounds: int,
     steps: int,
     base: str = "plain",
 ) -> dict[str, Any]:
     """Interleave `specs`, then tokens/s, ms/step and paired ratios to `base` (wall clock)."""
-    variants = build(specs, corpus)
+    variants = build_variants(specs)
     timing = interleave(variants, rounds=rounds, steps=steps, warmup=p.warmup)
     if base != "plain":  # throughput() pairs against "plain": rename the base for it
         timing = {
             c: {("plain" if n == base else n): t for n, t in d.items()} for c, d in timing.items()
         }
-    res = throughput(timing, clock="wall", tokens=shape.tokens, steps=steps)
+    res = throughput_rows(timing["wall"], timing["wall"], shape.tokens, steps=steps)
     if base != "plain":
         res = {(base if n == "plain" else n): r for n, r in res.items()}
     for name, v in variants.items():
@@ -152,45 +133,39 @@ def timed_section(
 
 
 # ------------------------------------------------------------------------------------ sections
-def sec_trainer(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_trainer(p: Plan) -> dict[str, Any]:
     cfg = train_config(p.shape, device=p.device, precision="bf16")
-    specs = {n: (VARIANTS[n], cfg) for n in ("plain", "isotrain", "fabric", "accelerate")}
+    names = ("plain", "nanogpt", "isotrain", "fabric", "accelerate")
+    specs = {n: (VARIANTS[n], cfg) for n in names}
     return timed_section(
         "Throughput, bf16 autocast",
         specs,
         p,
         p.shape,
-        corpus=corpus,
         rounds=p.rounds,
         steps=p.steps,
     )
 
 
-def sec_overhead(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_overhead(p: Plan) -> dict[str, Any]:
     cfg = train_config(p.probe, device=p.device)
-    names = ("plain", "isotrain", "isotrain-noguard", "fabric", "accelerate")
-    specs = {n: (VARIANTS[n], _noguard(cfg) if n == "isotrain-noguard" else cfg) for n in names}
+    names = ("plain", "nanogpt", "isotrain", "isotrain-noguard", "fabric", "accelerate")
+    specs = {n: (VARIANTS[n], cfg) for n in names}
     res = timed_section(
         "Per-step overhead (launch-bound model), fp32",
         specs,
         p,
         p.probe,
-        corpus=corpus,
         rounds=p.probe_rounds,
         steps=p.probe_steps,
     )
-    base = res["variants"]["plain"]["wall_seconds_per_round"]
-    for r in res["variants"].values():
-        extra = [1e3 * (t - b) / p.probe_steps for t, b in zip(r["wall_seconds_per_round"], base)]
-        r["overhead_ms"] = summarize(extra)
+    per_round = {n: r["seconds_per_round"] for n, r in res["variants"].items()}
+    for n, extra in paired_diffs(per_round, "plain", scale=1e3 / p.probe_steps).items():
+        res["variants"][n]["overhead_ms"] = summarize(extra)
     return res
 
 
-def _noguard(cfg: TrainConfig) -> TrainConfig:
-    return dataclasses.replace(cfg, guard=dataclasses.replace(cfg.guard, enabled=False))
-
-
-def sec_precision(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_precision(p: Plan) -> dict[str, Any]:
     specs = {}
     for prec in ("fp32", "bf16", "fp16"):
         cfg = train_config(p.shape, device=p.device, precision=prec)
@@ -201,14 +176,13 @@ def sec_precision(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
         specs,
         p,
         p.shape,
-        corpus=corpus,
         rounds=p.rounds,
         steps=p.steps,
         base="plain fp32",
     )
 
 
-def sec_compile(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_compile(p: Plan) -> dict[str, Any]:
     eager = train_config(p.shape, device=p.device, precision="bf16")
     comp = train_config(p.shape, device=p.device, precision="bf16", compile_backend=p.backend)
     specs = {
@@ -223,7 +197,6 @@ def sec_compile(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
         specs,
         p,
         p.shape,
-        corpus=corpus,
         rounds=p.rounds,
         steps=p.steps,
     )
@@ -245,27 +218,25 @@ def peak_step_memory(v: Variant) -> dict[str, float | None]:
     return {"peak_mib": peak / 2**20, "step_extra_mib": (peak - before) / 2**20}
 
 
-def sec_checkpointing(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_checkpointing(p: Plan) -> dict[str, Any]:
     policies = ("none", "full", "selective")
     specs = {}
     for pol in policies:
         cfg = train_config(p.shape, device=p.device, precision="bf16", checkpointing=pol)
         specs[pol] = (Isotrain, cfg)
-    variants = build(specs, corpus)
+    variants = build_variants(specs)
     memory = {}
     for name, v in variants.items():  # one at a time: each peak is its own step's
         v.step()
         memory[name] = peak_step_memory(v)
     timing = interleave(variants, rounds=p.rounds, steps=p.steps, warmup=p.warmup)
-    ratios = paired_ratios({("plain" if n == "none" else n): t for n, t in timing["wall"].items()})
+    ratios = paired_ratios(timing["wall"], "none", speed=False)
     rows = {}
     for name, secs in timing["wall"].items():
         rows[name] = {
             **memory[name],
             "ms_per_step": 1e3 * statistics.median(secs) / p.steps,
-            "time_ratio_to_none": summarize([1 / r for r in ratios[name]])
-            if name in ratios
-            else None,
+            "time_ratio_to_none": summarize(ratios[name]) if name in ratios else None,
         }
     title = "Activation checkpointing (isotrain), bf16 autocast"
     return {
@@ -277,17 +248,25 @@ def sec_checkpointing(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
     }
 
 
-def sec_mfu(p: Plan, corpus: data_mod.Corpus) -> dict[str, Any]:
+def sec_mfu(p: Plan) -> dict[str, Any]:
+    """MFU of each precision against the device's best matmul rate in any of them."""
+    sizes = [(n, n, n) for n in p.peak_sizes]
+    rates = {
+        prec: matmul_rates(prec, sizes, reps=5, clock_name="wall", budget=2.0, device=p.device)
+        for prec in ("bf16", "fp32")
+    }
+    core = best_of([r for rs in rates.values() for r in rs])
     runs = []
     for prec in ("bf16", "fp32"):
-        peak = matmul_peak(prec, device=p.device, sizes=p.peak_sizes, reps=5, clock="wall")
         cfg = train_config(p.shape, device=p.device, precision=prec)
-        variants = build({"plain": (Plain, cfg), "isotrain": (Isotrain, cfg)}, corpus)
-        flops = {n: step_flops(v)["total"] for n, v in variants.items()}
+        variants = build_variants({"plain": (Plain, cfg), "isotrain": (Isotrain, cfg)})
+        flops = {n: step_flops(v) for n, v in variants.items()}
         timing = interleave(variants, rounds=p.rounds, steps=p.steps, warmup=p.warmup)
-        row = {"precision": prec, "peak_tflops": peak["peak_tflops"], "peak": peak["best"]}
+        own = best_of(rates[prec])
+        row = {"precision": prec, "peak_tflops": core["gflops"] / 1e3, "peak": core,
+               "dtype_peak_tflops": own["gflops"] / 1e3}  # fmt: skip
         for name, secs in timing["wall"].items():
-            per_round = [flops[name] * p.steps / s / 1e12 / peak["peak_tflops"] for s in secs]
+            per_round = [flops[name] * p.steps / s / 1e12 / row["peak_tflops"] for s in secs]
             row[name] = {
                 "gflop_per_step": flops[name] / 1e9,
                 "mfu": summarize(per_round),
@@ -322,16 +301,21 @@ def md_section(name: str, res: dict[str, Any], meta: dict[str, Any]) -> str:
             ratio = fmt_ci(r["time_ratio_to_none"]) if r["time_ratio_to_none"] else "1"
             body.append(f"| {pol} | {mib} | {extra} | {r['ms_per_step']:.2f} | {ratio} |")
     elif name == "mfu":
+        peak = res["runs"][0]["peak"]
         body = [
-            "| precision | matmul peak TFLOP/s | variant | GFLOP/step | ms/step | MFU % |",
+            f"MFU denominator: the best matmul rate measured here in any dtype, "
+            f"{peak['gflops'] / 1e3:.3g} TFLOP/s ({peak['dtype']} {peak['op']}, {peak['n']}).",
+            "",
+            "| precision | this dtype's matmul peak TFLOP/s | variant | GFLOP/step | ms/step "
+            "| MFU % of the device peak [95% CI] |",
             "|---|---|---|---|---|---|",
         ]
         for r in res["runs"]:
             for v in ("plain", "isotrain"):
-                m = {k: 100 * x if isinstance(x, float) else x for k, x in r[v]["mfu"].items()}
                 body.append(
-                    f"| {r['precision']} | {r['peak_tflops']:.3g} | {v} "
-                    f"| {r[v]['gflop_per_step']:.3g} | {r[v]['ms_per_step']:.2f} | {fmt_ci(m, 1)} |"
+                    f"| {r['precision']} | {r['dtype_peak_tflops']:.3g} | {v} "
+                    f"| {r[v]['gflop_per_step']:.3g} | {r[v]['ms_per_step']:.2f} "
+                    f"| {fmt_ci(r[v]['mfu'], 1, scale=100)} |"
                 )
     else:
         body = throughput_table(res["variants"])
@@ -343,7 +327,7 @@ def md_section(name: str, res: dict[str, Any], meta: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------------------------- main
-RUNNERS: dict[str, Callable[[Plan, data_mod.Corpus], dict[str, Any]]] = {
+RUNNERS: dict[str, Callable[[Plan], dict[str, Any]]] = {
     "trainer": sec_trainer,
     "overhead": sec_overhead,
     "precision": sec_precision,
@@ -361,7 +345,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--out", type=Path, default=None, help="default: results/ (dry run: a tmp dir)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: results/cuda-<gpu>/ (dry run: temp dir)"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.steps = 3, 5
@@ -371,26 +357,29 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def gpu_kind() -> str:
+    """results/ directory name of this GPU: "cuda-" and its name in lower case, dashed."""
+    name = torch.cuda.get_device_name().lower()
+    return "cuda-" + "-".join("".join(c if c.isalnum() else " " for c in name).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print(NO_CUDA.format(torch=torch.__version__), file=sys.stderr)
         return 2
     p = plan(args)
-    out = args.out or (
-        Path(tempfile.gettempdir()) / "isotrain-gpu-dry-run" if args.dry_run else RESULTS
-    )
+    out = args.out or (QUICK_ROOT / "gpu-dry-run" if args.dry_run else RESULTS / gpu_kind())
     if p.device == "cpu":
         torch.set_num_threads(1)  # tiny models: more threads only add contention
     else:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (the CPU runs agree)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tempfile.gettempdir()) / "ind"))
-    corpus = data_mod.load_corpus(None, max_bytes=1_000_000, val_fraction=0.1)
     t_start = time.perf_counter()
     for name in args.only.split(","):
         t0 = time.perf_counter()
         load = os.getloadavg()[0]
-        res = RUNNERS[name](p, corpus)
+        res = RUNNERS[name](p)
         meta = machine(p.device)
         meta.update(
             load_before=round(load, 2),

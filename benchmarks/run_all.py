@@ -1,19 +1,21 @@
-"""Run every benchmark in benchmarks/ and collect their tables into results/summary.md.
+"""Run every benchmark in benchmarks/ and collect their tables into results/<cpu-kind>/summary.md.
 
-Each benchmark runs as its own subprocess with its own flags (`--quick` is passed to all), one
-after another (the machine is shared: never two at once). Then every results/*.md table is
-gathered into summary.md with the command that made it and the machine it ran on, and
-summary.json records what ran, how long it took and whether it failed.
+Each benchmark runs as its own subprocess (one after another: never two at once), with
+`--out results/<cpu-kind>/`, so results from different kinds of CPU (cpu_kind.py: "avx2",
+"avx512-bf16", "amx") sit side by side and a run never overwrites another kind's. Then every
+table of that directory is gathered into summary.md with the command that made it and the
+machine it ran on, machine.json records the machine, and summary.json records what ran, how
+long it took and whether it failed (a benchmark whose correctness checks fail exits with 1).
 
-    make bench                                   # = python benchmarks/run_all.py (~20 minutes)
-    python benchmarks/run_all.py --quick         # seconds per benchmark; results in a temp dir
+    python benchmarks/run_all.py                 # the whole suite (~1-2 hours on 2 cores)
+    python benchmarks/run_all.py --quick         # seconds per benchmark, into a temp dir
     python benchmarks/run_all.py --only trainer,overhead
-    python benchmarks/run_all.py --collect-only  # rebuild summary.md from the existing files
+    python benchmarks/run_all.py --collect-only --out benchmarks/results/avx2   # re-summarise
 
-With `--quick` (or `--out DIR`) the scripts run from a staged copy whose results/ points at the
-output directory, so committed results are never overwritten by a smoke run. gpu_suite.py runs
-when CUDA is available; otherwise `--quick` runs its CPU `--dry-run`, and a full run skips it.
-This module imports no torch, so the collection logic is cheap to test.
+`--quick` writes to a temporary directory, never into results/. gpu_suite.py runs when CUDA is
+available (into results/cuda-<gpu>/); otherwise `--quick` runs its CPU `--dry-run` and a full
+run skips it. `--same-process` runs the scripts in this interpreter (one torch import for all:
+the test suite's smoke run). This module imports no torch, so the collection logic is cheap.
 """
 
 from __future__ import annotations
@@ -21,21 +23,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import io
 import json
 import os
 import platform
 import re
-import shutil
+import runpy
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # cpu_kind, figures (no torch)
+from cpu_kind import describe  # noqa: E402
+from figures import dot_plot, pyplot  # noqa: E402
+
 RESULTS = HERE / "results"
+EARLIER_REFERENCE = "`plain` of that run (a nanoGPT-style loop)"  # as in loops.py (no torch here)
+QUICK_ROOT = Path(tempfile.gettempdir()) / "isotrain-bench-quick"
 
 
 @dataclass(frozen=True)
@@ -44,21 +54,22 @@ class Bench:
 
     name: str
     script: str
-    flags: tuple[str, ...] = ()  # "{out}" becomes the results directory
     quick_flags: tuple[str, ...] = ("--quick",)
     cuda_only: bool = False
 
 
 KNOWN = (
     Bench("autograd", "bench_autograd.py"),
-    Bench("checkpointing", "bench_checkpointing.py", ("--out", "{out}")),
+    Bench("checkpointing", "bench_checkpointing.py"),
     Bench("compile", "bench_compile.py"),
     Bench("contexts", "bench_contexts.py"),
     Bench("guard", "bench_guard.py"),
-    Bench("trainer", "bench_trainer.py", ("--out", "{out}")),
-    Bench("overhead", "bench_overhead.py", ("--out", "{out}")),
-    Bench("mfu", "bench_mfu.py", ("--out", "{out}")),
-    Bench("gpu", "gpu_suite.py", ("--out", "{out}"), ("--dry-run",), cuda_only=True),
+    Bench("qat", "bench_qat.py"),
+    Bench("trainer", "bench_trainer.py"),
+    Bench("overhead", "bench_overhead.py"),
+    Bench("mfu", "bench_mfu.py"),
+    Bench("profile", "bench_profile.py"),
+    Bench("gpu", "gpu_suite.py", ("--dry-run",), cuda_only=True),
 )
 
 
@@ -88,19 +99,6 @@ class RunRecord:
 
 
 # ------------------------------------------------------------------------------ machine
-def cpu_model(cpuinfo: str | None = None) -> str:
-    """The `model name` of /proc/cpuinfo (or the platform's processor string)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            cpuinfo = ""
-    for line in cpuinfo.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def package_version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -111,9 +109,9 @@ def package_version(name: str) -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """CPU model, cores, torch version and load: what every number here depends on."""
+    """CPU model, kind and bf16 capability, cores, versions and load: what the numbers need."""
     return {
-        "cpu": cpu_model(),
+        **describe(),
         "cores": os.cpu_count(),
         "torch": package_version("torch"),
         "python": platform.python_version(),
@@ -123,6 +121,13 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def machine_line(m: dict[str, Any]) -> str:
+    return (
+        f"{m.get('cpu', '?')} [{m.get('cpu_kind', '?')}: {m.get('bf16', '?')}], "
+        f"{m.get('cores', '?')} cores, torch {m.get('torch', '?')}, Python {m.get('python', '?')}"
+    )
+
+
 def cuda_available(python: str) -> bool:
     """Ask a subprocess (this module never imports torch)."""
     code = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
@@ -130,20 +135,12 @@ def cuda_available(python: str) -> bool:
 
 
 # -------------------------------------------------------------------------------- running
-def command(b: Bench, *, python: str, scripts: Path, out: Path, quick: bool) -> list[str]:
-    flags = [f.replace("{out}", str(out)) for f in b.flags]
+def command(b: Bench, *, python: str, out: Path | None, quick: bool) -> list[str]:
+    """The command line of one benchmark (`out` None: the script's own default)."""
+    flags = ["--out", str(out)] if out is not None else []
     if quick:
-        flags += [f for f in b.quick_flags if f not in flags]
-    return [python, str(scripts / b.script), *flags]
-
-
-def stage(out: Path) -> Path:
-    """A copy of the scripts whose results/ is `out`, for scripts that write to their own dir."""
-    root = Path(tempfile.mkdtemp(prefix="isotrain-bench-stage-"))
-    for f in HERE.glob("*.py"):
-        shutil.copy2(f, root / f.name)
-    (root / "results").symlink_to(out.resolve(), target_is_directory=True)
-    return root
+        flags += list(b.quick_flags)
+    return [python, str(HERE / b.script), *flags]
 
 
 def run_one(b: Bench, cmd: list[str], timeout: float) -> RunRecord:
@@ -162,6 +159,28 @@ def run_one(b: Bench, cmd: list[str], timeout: float) -> RunRecord:
         rec.returncode, rec.stderr_tail = -1, f"timed out after {timeout:.0f} s"
     rec.seconds = time.perf_counter() - t0
     print(f"=== {b.name}: exit {rec.returncode} in {rec.seconds:.0f} s", flush=True)
+    return rec
+
+
+def run_here(b: Bench, cmd: list[str]) -> RunRecord:
+    """Run one script in this interpreter (as __main__, with its argv); record how it ended."""
+    rec = RunRecord(b.name, cmd)
+    argv, err = sys.argv, io.StringIO()
+    t0 = time.perf_counter()
+    sys.argv = cmd[1:]
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(cmd[1], run_name="__main__")
+        rec.returncode = 0
+    except SystemExit as e:
+        rec.returncode = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except Exception:
+        rec.returncode = 1
+        err.write(traceback.format_exc())
+    finally:
+        sys.argv = argv
+    rec.seconds, rec.stderr_tail = time.perf_counter() - t0, err.getvalue()[-2000:]
+    print(f"=== {b.name}: exit {rec.returncode} in {rec.seconds:.1f} s", flush=True)
     return rec
 
 
@@ -198,7 +217,7 @@ def _meta(json_path: Path) -> dict[str, Any]:
     return meta
 
 
-def describe(md_path: Path) -> dict[str, Any]:
+def describe_file(md_path: Path) -> dict[str, Any]:
     """Title, command, machine and tables of one results file (its JSON's `meta` fills gaps)."""
     text = md_path.read_text()
     meta = _meta(md_path.with_suffix(".json"))
@@ -210,27 +229,11 @@ def describe(md_path: Path) -> dict[str, Any]:
         m = _COMMAND.search(text)
         cmd = m.group(1) if m else None
     machine = next(
-        (
-            ln.split(":", 1)[1].strip().rstrip()
-            for ln in text.splitlines()
-            if ln.startswith("Machine:")
-        ),
+        (ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Machine:")),
         None,
     )
     if machine is None and meta:
-        keys = (
-            "cpu",
-            "gpu",
-            "device",
-            "cores",
-            "cpus",
-            "threads",
-            "torch",
-            "load_before",
-            "load_after",
-            "load_avg",
-            "loadavg",
-        )
+        keys = ("cpu", "gpu", "device", "cores", "cpus", "threads", "torch", "load_before")
         machine = ", ".join(f"{k} {meta[k]}" for k in keys if k in meta) or None
     return {
         "stem": md_path.stem,
@@ -242,23 +245,28 @@ def describe(md_path: Path) -> dict[str, Any]:
     }
 
 
+def load_machine(out: Path) -> dict[str, Any] | None:
+    """The machine a results directory was measured on (its machine.json), if recorded."""
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads((out / "machine.json").read_text())
+        return data if isinstance(data, dict) else None
+    return None
+
+
+def result_files(out: Path) -> list[Path]:
+    return sorted(p for p in out.glob("*.md") if p.stem not in ("summary", "README"))
+
+
 def summary_markdown(
-    out: Path,
-    machine: dict[str, Any],
-    runs: list[RunRecord],
-    *,
-    invocation: str,
-    started: float | None = None,
+    out: Path, runs: list[RunRecord], *, invocation: str, started: float | None = None
 ) -> str:
-    """summary.md: the machine, what ran, then every results/*.md table with its command."""
-    loads = machine.get("load_avg_1m_5m_15m")
+    """summary.md: the machine, what ran, then every table of `out` with its command."""
+    m = load_machine(out)
     lines = [
-        "# Benchmark summary",
+        f"# Benchmark summary: {out.name}",
         "",
         f"Made by `{invocation}` on {dt.datetime.now().strftime('%Y-%m-%d %H:%M')}.  ",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
-        f"Python {machine['python']}"
-        + (f", load average {loads[0]} / {loads[1]} / {loads[2]} (1/5/15 min)" if loads else ""),
+        f"Machine: {machine_line(m) if m else 'not recorded (see each file)'}",
         "",
     ]
     if runs:
@@ -269,58 +277,40 @@ def summary_markdown(
             note = note.replace("|", "/") if (r.skipped or r.returncode) else ""
             lines.append(f"| {r.name} | {code} | {r.seconds:.0f} | {note} |")
         lines.append("")
-    for md in sorted(p for p in out.glob("*.md") if p.stem != "summary"):
-        d = describe(md)
-        fresh = started is not None and d["mtime"] >= started
-        stale = started is not None and not fresh
+    for md in result_files(out):
+        d = describe_file(md)
+        stale = started is not None and d["mtime"] < started
         lines += [f"## {d['title']}", ""]
-        note = " (not rerun by this command)" if stale else ""
-        lines.append(f"From `{md.name}`{note}.  ")
+        lines.append(f"From `{md.name}`{' (not rerun by this command)' if stale else ''}.  ")
         lines.append(f"Command: `{d['command']}`  " if d["command"] else "Command: not recorded  ")
-        recorded = d["machine"]
-        if fresh and (recorded is None or machine["cpu"] not in recorded):
-            here = f"{machine['cpu']}, {machine['cores']} cores"
-            recorded = here if recorded is None else f"{here}; {recorded}"
-        lines.append(f"Machine: {recorded or 'not recorded (see the file)'}")
-        lines.append("")
+        lines += [f"Machine: {d['machine'] or 'not recorded (see the file)'}", ""]
         for t in d["tables"]:
             lines += [t, ""]
     return "\n".join(lines)
 
 
 def summary_plot(out: Path, path: Path) -> bool:
-    """Throughput ratios (trainer) and per-step overheads (overhead), where those files exist."""
+    """Paired throughput ratios (trainer) and per-step overheads (overhead), with 95% CIs."""
     panels = []
-    for stem, key, label in (
-        ("trainer", "ratio", "tokens/s vs plain (paired)"),
-        ("overhead", "overhead_ms", "ms/step over plain"),
+    for stem, key, ref, label in (
+        ("trainer", "ratio", 1.0, "tokens/s relative to {}"),
+        ("overhead", "overhead_ms", 0.0, "extra ms per step vs {}"),
     ):
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            data = json.loads((out / f"{stem}.json").read_text())["variants"]
-            rows = {n: v[key] for n, v in data.items() if v.get(key)}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            data = json.loads((out / f"{stem}.json").read_text())
+            base = data.get("reference", EARLIER_REFERENCE)
+            rows = {n: v[key] for n, v in data["variants"].items() if isinstance(v.get(key), dict)}
             if rows:
-                panels.append((label, rows))
-    if not panels:
+                panels.append((label.format(base), ref, rows))
+    plt = pyplot() if panels else None
+    if plt is None:
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.2), squeeze=False)
-    for ax, (label, rows) in zip(axes[0], panels):
-        names = list(rows)
-        med = [rows[n]["median"] for n in names]
-        err = [
-            [m - rows[n]["q1"] for n, m in zip(names, med)],
-            [rows[n]["q3"] - m for n, m in zip(names, med)],
-        ]
-        ax.bar(names, med, yerr=err, capsize=4, color="#5a8")
-        ax.axhline(1.0 if "vs" in label else 0.0, color="grey", lw=0.8, ls="--")
-        ax.set_title(label + " (median, IQR)", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
+    height = max(len(rows) for _, _, rows in panels) * 0.7 + 1.4
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
+    for ax, (label, ref, rows) in zip(axes[0], panels):
+        dot_plot(ax, rows, ref=ref, xlabel=label)
+        ax.set_title(f"{label}\nmedian and 95% CI of paired rounds", fontsize=9)
+    fig.suptitle(f"results/{out.name}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -330,14 +320,13 @@ def summary_plot(out: Path, path: Path) -> bool:
 def write_summary(
     out: Path, runs: list[RunRecord], *, invocation: str, started: float | None = None
 ) -> Path:
-    machine = machine_info()
-    md = summary_markdown(out, machine, runs, invocation=invocation, started=started)
+    md = summary_markdown(out, runs, invocation=invocation, started=started)
     (out / "summary.md").write_text(md + "\n")
     payload = {
         "invocation": invocation,
-        "machine": machine,
+        "machine": load_machine(out),
         "runs": [asdict(r) for r in runs],
-        "files": sorted(p.name for p in out.glob("*.md") if p.stem != "summary"),
+        "files": [p.name for p in result_files(out)],
     }
     (out / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
     summary_plot(out, out / "summary.png")
@@ -352,10 +341,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", default="", help="comma-separated names: " + ",".join(b.name for b in BENCHES)
     )
     ap.add_argument("--skip", default="", help="comma-separated names to leave out")
-    ap.add_argument("--out", type=Path, default=None, help="default: results/ (quick: temp dir)")
-    ap.add_argument("--timeout", type=float, default=1800, help="seconds per benchmark")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="default: results/<cpu-kind> (quick: temp dir)"
+    )
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument("--collect-only", action="store_true", help="only rebuild summary.md")
+    ap.add_argument("--same-process", action="store_true", help="run scripts in this process")
     return ap.parse_args(argv)
 
 
@@ -369,32 +361,32 @@ def selected(args: argparse.Namespace) -> list[Bench]:
     return [b for b in BENCHES if (not only or b.name in only) and b.name not in skip]
 
 
+def run_selected(args: argparse.Namespace, out: Path) -> list[RunRecord]:
+    runs: list[RunRecord] = []
+    has_cuda = not args.quick and cuda_available(args.python)
+    for b in selected(args):
+        cmd = command(b, python=args.python, out=out, quick=args.quick)
+        if b.cuda_only and has_cuda:  # the real GPU suite: its own results/cuda-<gpu>/
+            cmd = command(b, python=args.python, out=args.out, quick=False)
+        elif b.cuda_only and not args.quick:
+            runs.append(RunRecord(b.name, cmd, skipped="no CUDA device (run it on a GPU machine)"))
+            continue
+        runs.append(run_here(b, cmd) if args.same_process else run_one(b, cmd, args.timeout))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     flags = sys.argv[1:] if argv is None else argv
     invocation = " ".join(["python benchmarks/run_all.py", *flags])
-    quick_tmp = Path(tempfile.gettempdir()) / "isotrain-bench-quick"
-    out = (args.out or (quick_tmp if args.quick else RESULTS)).resolve()
+    kind = describe()["cpu_kind"]
+    out = (args.out or (QUICK_ROOT if args.quick else RESULTS) / kind).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs: list[RunRecord] = []
     started = time.time()
     if not args.collect_only:
-        scripts = HERE if out == RESULTS.resolve() else stage(out)
-        has_cuda = cuda_available(args.python)
-        for b in selected(args):
-            cmd = command(b, python=args.python, scripts=scripts, out=out, quick=args.quick)
-            if b.cuda_only and has_cuda:  # the real suite: no --dry-run, --quick if asked
-                cmd = [c for c in cmd if c != "--dry-run"] + (["--quick"] if args.quick else [])
-            elif b.cuda_only and not args.quick:
-                runs.append(
-                    RunRecord(
-                        b.name, cmd, skipped="no CUDA device (run gpu_suite.py on a GPU machine)"
-                    )
-                )
-                continue
-            runs.append(run_one(b, cmd, args.timeout))
-        if scripts != HERE:
-            shutil.rmtree(scripts, ignore_errors=True)  # the copies; results/ is only a link
+        (out / "machine.json").write_text(json.dumps(machine_info(), indent=2) + "\n")
+        runs = run_selected(args, out)
     path = write_summary(
         out, runs, invocation=invocation, started=None if args.collect_only else started
     )
