@@ -5,7 +5,7 @@ operands lie in memory, and ``nn.Linear`` under CPU autocast hits its slow layou
 backward's ``mm`` runs about 17x below the best layout. ``bf16_linear`` is a custom autograd
 Function whose forward and backward copy each operand into the fast layout first (a copy is
 O(n^2) against the O(n^3) product), so training with ``torch.autocast("cpu", torch.bfloat16)``
-gets several times faster (benchmarks/results/mfu.md). The products are one opaque custom op
+gets several times faster (benchmarks/results/avx2/mfu.md). The products are one opaque custom op
 (``isotrain::layout_mm``), so the layouts survive ``torch.compile``. Values and gradients stay
 those of bf16 matmuls with fp32 accumulation; parameters and their gradients keep their dtype.
 """
@@ -23,7 +23,7 @@ __all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers", "native_bf16_matmu
 
 # NOTE [bf16 operand layouts]
 # bf16 C = A @ B on an AVX2 AMD EPYC, torch 2.13, one thread (the peak table of
-# benchmarks/results/mfu.md measures every order at square and GPT-layer shapes):
+# benchmarks/results/avx2/mfu.md measures every order at square and GPT-layer shapes):
 #   A row-major, B row-major   slowest, ~1 GFLOP/s (autograd's mm in nn.Linear's backward)
 #   A row-major, B col-major   ~10x that           (F.linear's forward: x @ W.T)
 #   A col-major, B row-major   ~15-20x that        (the order used here)

@@ -39,7 +39,7 @@ __all__ = ["QuantLinear", "fused_fake_quantize", "quantize_linear_layers"]
 #    that reuses the very same `_setup_context` and `_backward`; drop it once fixed upstream.
 # Cost: inductor cannot fuse across an opaque op. Wrap code that already is one fused kernel;
 # a composite of PyTorch ops (like this one) runs faster as a traceable autograd.Function
-# (benchmarks/results/autograd.md measures both).
+# (benchmarks/results/avx2/autograd.md measures both).
 # An operator name can be defined once per process, so `_register` first checks whether it
 # exists: re-importing or `importlib.reload` of this module is then harmless.
 
