@@ -12,11 +12,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from isotrain.train.cli import main  # noqa: E402
 from isotrain.train.export import export_hf  # noqa: E402
 from isotrain.train.hf import read_hf_folder  # noqa: E402
 from isotrain.train.model import GPT, GPTConfig  # noqa: E402
 from isotrain.train.sources import DataError  # noqa: E402
 from isotrain.train.tokenizer import HFTokenizer, text_chunks  # noqa: E402
+from isotrain.train.weights import read_safetensors  # noqa: E402
 
 TEXT = "def f(x):\n    return x + 1  # é ✓\n\nclass A:\n    pass\n" * 30
 
@@ -115,3 +117,17 @@ def test_unsupported_gpt2_settings_are_refused_by_name(tmp_path) -> None:
     )
     with pytest.raises(FileNotFoundError, match="isotrain reads safetensors only"):
         read_hf_folder(tmp_path)
+
+
+def test_sample_and_load_from_an_hf_folder(tmp_path, capsys) -> None:
+    tok = HFTokenizer.train_bpe(text_chunks(TEXT), 300)
+    model = _tiny()
+    export_hf(model, tmp_path / "hf", tok)
+    again, tok_again = read_safetensors(tmp_path / "hf" / "model.safetensors")  # config.json beside
+    assert torch.equal(again.wte.weight, model.wte.weight) and tok_again.sha256 == tok.sha256
+    args = ["sample", "--run", f"hf:{tmp_path / 'hf'}", "--prompt", "def f", "--tokens", "5"]
+    assert main([*args, "--temperature", "0"]) == 0
+    ids = model.generate(torch.tensor([tok.encode("def f")]), 5, temperature=0.0)
+    assert (
+        capsys.readouterr().out == "def f" + tok.decode(ids[0, len(tok.encode("def f")) :]) + "\n"
+    )

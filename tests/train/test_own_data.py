@@ -63,7 +63,13 @@ def test_bpe_run_end_to_end(corpus, tmp_path, capsys) -> None:
         assert r["unigram_baseline_bpb"] == pytest.approx(r["unigram_baseline"] * ratio / np.log(2))
     capsys.readouterr()
     assert main(["sample", "--run", str(run), "--prompt", "def f", "--tokens", "8"]) == 0
-    assert capsys.readouterr().out.startswith("def f")
+    from_run = capsys.readouterr().out
+    assert from_run.startswith("def f")
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "m.safetensors")]) == 0
+    capsys.readouterr()
+    sample = ["sample", "--run", str(tmp_path / "m.safetensors"), "--prompt", "def f"]
+    assert main([*sample, "--tokens", "8"]) == 0
+    assert capsys.readouterr().out == from_run  # the export carries the tokenizer
     assert main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

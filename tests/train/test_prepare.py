@@ -111,5 +111,10 @@ def test_cli_prepare_with_a_separate_validation_file(tmp_path, capsys) -> None:
     assert f"train with --data.path {out}" in capsys.readouterr().out
     tok = HFTokenizer.from_file(out / "tokenizer.json")
     assert _decode(out, "val", tok) == "".join(LINES[100:120])
+    again = tmp_path / "again"
+    prep = [*args, "--out", str(again)]
+    assert main([*prep, "--tokenizer", str(out / "tokenizer.json"), "--no-progress"]) == 0
+    assert (again / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    assert json.loads((again / "meta.json").read_text())["tokenizer_sha256"] == tok.sha256
     assert main(["prepare", "--input", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 2
     assert "error: --input" in capsys.readouterr().err
