@@ -77,7 +77,7 @@ def test_token_id_beyond_vocab_is_a_clear_error(tmp_path) -> None:
 
 def test_wrong_array_dtype_is_a_clear_error(tmp_path) -> None:
     np.save(tmp_path / "t.npy", np.zeros(10, dtype=np.float32))
-    with pytest.raises(D.DataError, match="expected a 1-D uint8 or uint16 token array"):
+    with pytest.raises(D.DataError, match="expected a 1-D uint8, uint16 or uint32 token array"):
         D.load_corpus(str(tmp_path / "t.npy"), max_bytes=1, val_fraction=0.1)
 
 
@@ -105,3 +105,74 @@ def test_unigram_baseline_matches_a_direct_computation() -> None:
     p = np.array([3, 3, 1, 1]) / 8  # add-one counts
     expected = -(np.log(p[0]) + np.log(p[1])) / 2
     assert D.unigram_entropy(c) == pytest.approx(expected)
+
+
+def test_nanogpt_folder_is_read_memory_mapped(tmp_path) -> None:
+    ids = (np.arange(6000) * 7 % 1000).astype(np.uint16)
+    ids[:5000].tofile(tmp_path / "train.bin")
+    ids[5000:].tofile(tmp_path / "val.bin")
+    c = D.load_corpus(str(tmp_path), max_bytes=1, val_fraction=0.1, vocab_size=1000)
+    assert isinstance(c.train, np.memmap) and isinstance(c.val, np.memmap)
+    assert np.array_equal(c.train, ids[:5000]) and np.array_equal(c.val, ids[5000:])
+    assert c.val_bytes is None  # no tokenizer known: no bits per byte
+    kw = dict(batch_size=4, block_size=16, seed=3, step=2)
+    x_map, y_map = D.get_batch(c.train, **kw)
+    x_ram, y_ram = D.get_batch(np.array(ids[:5000]), **kw)
+    assert torch.equal(x_map, x_ram) and torch.equal(y_map, y_ram)
+    with pytest.raises(D.DataError, match="token id 999 >= vocabulary size 256"):
+        D.load_corpus(str(tmp_path), max_bytes=1, val_fraction=0.1)
+
+
+def test_separate_validation_paths(tmp_path) -> None:
+    (tmp_path / "a.txt").write_text("a" * 500)
+    (tmp_path / "b.txt").write_text("b" * 300)
+    (tmp_path / "v.txt").write_text("v" * 200)
+    c = D.load_corpus(
+        str(tmp_path / "[ab].txt"), max_bytes=1, val_fraction=0.5, val_path=str(tmp_path / "v.txt")
+    )
+    assert len(c.train) == 800 and bytes(c.val) == b"v" * 200 and c.val_bytes == 200
+    np.arange(100, dtype=np.uint16).tofile(tmp_path / "t.bin")
+    np.arange(30, dtype=np.uint16).tofile(tmp_path / "v.bin")
+    c = D.load_corpus(
+        str(tmp_path / "t.bin"), max_bytes=1, val_fraction=0.1, val_path=str(tmp_path / "v.bin")
+    )
+    assert len(c.train) == 100 and len(c.val) == 30
+    with pytest.raises(D.DataError, match="--data.val-path .*v.txt: expected a .bin/.npy token"):
+        D.load_corpus(
+            str(tmp_path / "t.bin"), max_bytes=1, val_fraction=0.1, val_path=str(tmp_path / "v.txt")
+        )
+    with pytest.raises(D.DataError, match=r"--data.path .*\*.md: the pattern matches no file"):
+        D.load_corpus(str(tmp_path / "*.md"), max_bytes=1, val_fraction=0.1)
+
+
+def test_unusable_token_files_are_one_line_errors(tmp_path) -> None:
+    (tmp_path / "empty.bin").write_bytes(b"")
+    with pytest.raises(D.DataError, match="empty.bin: the token file is empty"):
+        D.load_corpus(str(tmp_path / "empty.bin"), max_bytes=1, val_fraction=0.1)
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(
+        D.DataError,
+        match="odd.bin: 3 bytes is not a whole number of uint16 tokens .* try --data.bin-dtype "
+        "uint8 or uint32",
+    ):
+        D.load_corpus(str(tmp_path / "odd.bin"), max_bytes=1, val_fraction=0.1)
+    np.save(tmp_path / "p.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(D.DataError, match="p.npy: not a plain .npy array .* never unpickles"):
+        D.load_corpus(str(tmp_path / "p.npy"), max_bytes=1, val_fraction=0.1)
+    with pytest.raises(D.DataError) as err:
+        D.load_corpus(str(tmp_path / "odd.bin"), max_bytes=1, val_fraction=0.1)
+    assert "\n" not in str(err.value)  # one line, for the CLI's `error:` line
+
+
+def test_uint32_tokens(tmp_path) -> None:
+    ids = np.array([70_000, 1, 2, 69_999] * 50, dtype=np.uint32)
+    ids.tofile(tmp_path / "t.bin")
+    c = D.load_corpus(
+        str(tmp_path / "t.bin"),
+        max_bytes=1,
+        val_fraction=0.1,
+        vocab_size=70_001,
+        bin_dtype="uint32",
+    )
+    assert c.train.dtype == np.uint32 and int(c.train.max()) == 70_000
+    assert D.token_dtype(65_536) == np.uint16 and D.token_dtype(65_537) == np.uint32

@@ -79,3 +79,25 @@ def test_generate_rejects_bad_arguments(model: GPT) -> None:
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1.0)
     with pytest.raises(ValueError, match="top_k must be >= 1"):
         model.generate(torch.zeros(1, 1, dtype=torch.long), 1, top_k=0)
+
+
+def test_tanh_gelu_option_is_gpt2s_approximation() -> None:
+    torch.manual_seed(0)
+    exact = GPT(CFG).eval()
+    tanh = GPT(GPTConfig(**{**CFG.__dict__, "gelu": "tanh"})).eval()
+    tanh.load_state_dict(exact.state_dict())
+    x = torch.randn(3, 32)
+    assert torch.equal(tanh.blocks[0].mlp.fc(x), exact.blocks[0].mlp.fc(x))
+    block = tanh.blocks[0].mlp
+    expected = block.proj(torch.nn.functional.gelu(block.fc(x), approximate="tanh"))
+    assert torch.equal(block(x), expected)
+    idx = torch.randint(0, 256, (2, 16))
+    assert not torch.equal(tanh(idx), exact(idx))
+
+
+def test_generate_refuses_nan_temperature_and_bad_top_p(model: GPT) -> None:
+    idx = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="temperature must be >= 0, got nan"):
+        model.generate(idx, 1, temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\] or None, got 1.5"):
+        model.generate(idx, 1, top_p=1.5)

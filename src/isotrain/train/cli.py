@@ -1,4 +1,4 @@
-"""`isotrain train | sample | plot | report | export`: argument parsing and wiring only.
+"""`isotrain train | sample | plot | report | export | prepare`: argument parsing and wiring only.
 
 Flags come from the config dataclasses through tyro; precedence is
 preset < `--config FILE.toml` < flags. User errors print one clear line and exit 2.
@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import tyro
@@ -50,18 +51,24 @@ def cmd_train(argv: Sequence[str]) -> int:
 
 @dataclass(frozen=True, kw_only=True)
 class SampleArgs:
-    """Generate text from a trained run."""
+    """Generate text from a trained run, through the tokenizer it trained with."""
 
     run: str
-    """Run directory holding snapshots, or a .safetensors file from `isotrain export`."""
+    """Run directory holding snapshots, a .safetensors file from `isotrain export`, or hf:FOLDER."""
     prompt: str = "def "
     """Text to continue."""
+    prompt_file: str | None = None
+    """Read the prompt from this UTF-8 file instead of --prompt."""
     tokens: int = 200
-    """Number of bytes to generate."""
+    """Number of tokens to generate."""
     temperature: float = 0.8
-    """Sampling temperature; 0 picks the most likely byte."""
+    """Sampling temperature; 0 picks the most likely token."""
     top_k: int | None = 50
-    """Sample among the k most likely bytes (None: all)."""
+    """Sample among the k most likely tokens (None: all)."""
+    top_p: float | None = None
+    """Sample among the most likely tokens whose probabilities sum to p (None: off)."""
+    num_samples: int = 1
+    """Number of samples, drawn as one batch."""
     seed: int = 0
     """Seed of the sampling generator (the global RNG is never touched)."""
     which: Literal["latest", "best"] = "latest"
@@ -69,20 +76,41 @@ class SampleArgs:
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.sampling import sample
-    from isotrain.train.weights import load_model
+    from isotrain.train.sampling import check_sampling, samples
+    from isotrain.train.weights import load_with_tokenizer
 
-    args = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
-    model = load_model(args.run, which=args.which)
-    text = sample(
-        model,
-        args.prompt,
-        args.tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        seed=args.seed,
+    a = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
+    check_sampling(
+        tokens=a.tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        num_samples=a.num_samples,
     )
-    sys.stdout.write(args.prompt + text + "\n")
+    prompt = a.prompt
+    if a.prompt_file is not None:
+        path = Path(a.prompt_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {a.prompt_file}: no such file")
+        prompt = path.read_text(encoding="utf-8")
+    model, tok = load_with_tokenizer(a.run, which=a.which)
+    if tok is None:
+        logging.getLogger(__name__).warning("%s has no tokenizer files: text is bytes", a.run)
+    texts = samples(
+        model,
+        prompt,
+        a.tokens,
+        tokenizer=tok,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        num_samples=a.num_samples,
+        seed=a.seed,
+    )
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
+        sys.stdout.write(prompt + text + "\n")
     return 0
 
 
@@ -93,9 +121,7 @@ class RunArgs:
     run: str
     """Run directory (from `isotrain train --out-dir`)."""
     out: str | None = None
-    """Output: a directory for plot (default: the run), a .safetensors file for export."""
-    which: Literal["latest", "best"] = "latest"
-    """Snapshot to read (export): the newest or the best-validation one."""
+    """Output directory for plot (default: the run)."""
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
@@ -121,12 +147,79 @@ def cmd_report(argv: Sequence[str]) -> int:
     return 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExportArgs:
+    """Write a run's weights (and tokenizer) for use elsewhere."""
+
+    run: str
+    """Run directory (from `isotrain train --out-dir`)."""
+    out: str | None = None
+    """Output: a .safetensors file (isotrain format; default RUN/model.safetensors) or a folder
+    (hf format; default RUN/hf)."""
+    format: Literal["isotrain", "hf"] = "isotrain"
+    """isotrain: one .safetensors file `sample` and `--init-from` read; hf: a GPT-2 folder for
+    transformers (config.json, model.safetensors, tokenizer files)."""
+    which: Literal["latest", "best"] = "latest"
+    """Snapshot to read: the newest or the best-validation one."""
+
+
 def cmd_export(argv: Sequence[str]) -> int:
     from isotrain.train.export import export_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain export")
-    out, snap = export_run(args.run, args.out or f"{args.run}/model.safetensors", which=args.which)
+    a = tyro.cli(ExportArgs, args=list(argv), prog="isotrain export")
+    default = f"{a.run}/hf" if a.format == "hf" else f"{a.run}/model.safetensors"
+    out, snap = export_run(a.run, a.out or default, which=a.which, fmt=a.format)
     sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareArgs:
+    """Tokenize text into train.bin / val.bin (+ meta.json) for memory-mapped training."""
+
+    input: tuple[str, ...]
+    """Text files, folders or globs (quote them); .jsonl records; .json/.parquet need datasets."""
+    out: str
+    """Output folder; train with --data.path OUT."""
+    val_input: str | None = None
+    """Validation text (default: held out from the input, by file or from the tail)."""
+    tokenizer: str = "bytes"
+    """bytes | bpe (byte-level BPE learned from the training text) | PATH/tokenizer.json."""
+    vocab_size: int = 1024
+    """Tokens of the BPE to learn (--tokenizer bpe)."""
+    val_fraction: float = 0.1
+    """Share of the input held out for validation."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl / .json / .parquet records."""
+    bpe_train_bytes: int = 100_000_000
+    """Learn BPE merges from at most this many bytes of training text."""
+    overwrite: bool = False
+    """Replace a folder's existing train.bin / val.bin."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+def cmd_prepare(argv: Sequence[str]) -> int:
+    from isotrain.train.prepare import prepare
+
+    a = tyro.cli(PrepareArgs, args=list(argv), prog="isotrain prepare")
+    meta = prepare(
+        list(a.input),
+        a.out,
+        val_input=a.val_input,
+        tokenizer=a.tokenizer,
+        vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction,
+        text_field=a.text_field,
+        bpe_train_bytes=a.bpe_train_bytes,
+        overwrite=a.overwrite,
+        progress=a.progress,
+    )
+    splits = meta["splits"]
+    sys.stdout.write(
+        f"wrote {a.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val "
+        f"tokens ({meta['dtype']}, tokenizer {meta['tokenizer']}); train with --data.path {a.out}\n"
+    )
     return 0
 
 
@@ -136,6 +229,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "plot": cmd_plot,
     "report": cmd_report,
     "export": cmd_export,
+    "prepare": cmd_prepare,
 }
 
 

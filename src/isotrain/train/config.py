@@ -39,6 +39,7 @@ __all__ = [
     "apply_toml",
     "flag",
     "validate",
+    "validate_inputs",
 ]
 
 
@@ -55,19 +56,22 @@ class DataConfig:
     """Where tokens come from and how batches are drawn."""
 
     path: str | None = None
-    """Text file, directory of text files, or .bin/.npy token array; None uses the stdlib corpus."""
+    """Text (a file, a folder, a glob), a .bin/.npy token array, or a folder with train.bin and
+    val.bin (isotrain prepare's or nanoGPT's); None uses the stdlib corpus."""
     max_bytes: int = 4_000_000
-    """Byte budget for the default corpus (and for text files/directories)."""
+    """Byte budget of the default stdlib corpus (text from --data.path is read whole)."""
     val_fraction: float = 0.1
-    """Share of the data held out for validation (by file for directories)."""
-    bin_dtype: Literal["uint8", "uint16"] = "uint16"
-    """Element type of a raw .bin token file (.npy files carry their own)."""
+    """Share of the data held out for validation (by file for folders of several files)."""
+    bin_dtype: Literal["uint8", "uint16", "uint32"] = "uint16"
+    """Element type of a raw .bin token file without meta.json (.npy files carry their own)."""
     batch_size: int = 16
     """Sequences per micro-batch on each rank."""
     varlen: bool = False
     """Variable-length mode: whole documents (text between blank lines), padded to buckets."""
     buckets: tuple[int, ...] = ()
     """Bucket lengths for --data.varlen (empty: powers of two from 16 up to the block size)."""
+    val_path: str | None = None
+    """Validation data in the same form as --data.path (default: held out from --data.path)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +199,7 @@ class TrainConfig:
     log_every: int = 10
     """Write a metrics record and refresh the display every N steps."""
     sample_tokens: int = 200
-    """Bytes to sample from the model at the end of training (0 = none)."""
+    """Tokens to sample from the model at the end of training (0 = none)."""
     seed: int = 1337
     """Seed for initialisation, batches and dropout."""
     device: str = "auto"
@@ -210,6 +214,16 @@ class TrainConfig:
     """Continue automatically when --out-dir holds a snapshot; False refuses such a directory."""
     progress: bool = True
     """Show a live progress display on the terminal."""
+    tokenizer: str = "auto"
+    """auto | bytes | bpe | ids | PATH/tokenizer.json. auto: the run's own on resume, else the one
+    --init-from or a prepared dataset names, else bytes. bpe: byte-level BPE trained here on
+    the training text, --model.vocab-size tokens. ids: token files whose tokenizer is unknown."""
+    tokenizer_sha256: str = ""
+    """sha256 of the run's tokenizer.json, recorded by the trainer ('' for bytes and ids); set it
+    to refuse any other tokenizer."""
+    init_from: str | None = None
+    """Start a new run from these weights: RUN_DIR, FILE.safetensors or hf:FOLDER (GPT-2
+    layout). Weights only: fresh optimizer, schedule and guard, step 0."""
 
 
 def _tiny() -> TrainConfig:
@@ -347,4 +361,52 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         ("guard.rollback_copy_every", g.rollback_copy_every),
     ]:
         _check(value > 0, path, value, "it must be a positive integer")
+    validate_inputs(cfg)
     return cfg
+
+
+TOKENIZER_KINDS = ("auto", "bytes", "bpe", "ids")
+
+
+def validate_inputs(cfg: TrainConfig) -> None:
+    """Check the tokenizer, --init-from and --resume settings (data and weights to start from)."""
+    tok, init = cfg.tokenizer, cfg.init_from
+    _check(
+        tok in TOKENIZER_KINDS or Path(tok).expanduser().is_file(),
+        "tokenizer",
+        tok,
+        "use auto, bytes, bpe, ids or the path of a tokenizer.json (no such file)",
+    )
+    _check(
+        tok != "bpe" or cfg.model.vocab_size > 256,
+        "model.vocab_size",
+        cfg.model.vocab_size,
+        "--tokenizer bpe trains that many tokens (256 bytes plus merges); try 1024",
+    )
+    _check(
+        not cfg.data.varlen or tok in ("auto", "bytes"),
+        "data.varlen",
+        True,
+        "documents are split at blank lines of byte data; drop it or use --tokenizer bytes",
+    )
+    sha = cfg.tokenizer_sha256
+    _check(
+        sha == "" or (len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)),
+        "tokenizer_sha256",
+        sha,
+        "use '' (any) or 64 lowercase hex digits",
+    )
+    _check(
+        init is None
+        or init.startswith("hf:")
+        or init.endswith(".safetensors")
+        or Path(init).is_dir(),
+        "init_from",
+        init,
+        "use a run directory, a .safetensors file or hf:FOLDER (no such directory)",
+    )
+    if cfg.resume is not None and Path(cfg.resume).is_file():
+        raise ConfigError(
+            f"--resume {cfg.resume} is a file: --resume continues a run directory; to start a "
+            f"new run from these weights, pass --init-from {cfg.resume}"
+        )

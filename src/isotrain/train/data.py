@@ -1,143 +1,138 @@
-"""Corpus discovery, the byte tokenizer, and a step-indexed batch sampler.
+"""The corpus as token arrays, the step-indexed batch sampler, and the baseline to beat.
 
 The default corpus is the running interpreter's own standard-library `.py` sources, so
-training needs no download anywhere. Batch k on rank r is a pure function of
-(seed, step, micro-step, rank): a resumed run draws exactly the batches it would have drawn.
+training needs no download anywhere (`sources.py` finds data of every other form). Batch k
+on rank r is a pure function of (seed, step, micro-step, rank): a resumed run draws exactly
+the batches it would have drawn.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import sysconfig
+import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from isotrain.compile import pad_to_bucket
+from isotrain.train.sources import DataError, TextData, TokenData, open_data
+from isotrain.train.tokenizer import ByteTokenizer, IdsTokenizer, Tokenizer, text_chunks
 
 __all__ = [
     "ByteTokenizer",
     "Corpus",
     "DataError",
+    "bits_per_byte",
+    "build_corpus",
     "document_starts",
     "get_batch",
     "get_doc_batch",
     "load_corpus",
     "require_length",
+    "token_dtype",
     "unigram_entropy",
 ]
 
 log = logging.getLogger(__name__)
 TRAIN, VAL = 0, 1  # stream ids: train and val batches never share a random stream
-
-
-class DataError(ValueError):
-    """The data cannot be used for training; the message says why and what to do."""
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, lossless for any text, no files to ship."""
-
-    vocab_size = 256
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text` (its UTF-8 bytes)."""
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int] | torch.Tensor, *, errors: str = "replace") -> str:
-        """Text of `ids`; invalid UTF-8 (possible in samples) becomes U+FFFD by default."""
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        return bytes(ids).decode("utf-8", errors=errors)
+CHUNK = 1 << 24  # tokens per pass over a (possibly memory-mapped) array
+BASELINE_TOKENS = 1 << 27  # the unigram baseline is fitted on at most this many tokens
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Train and validation token arrays (possibly memory-mapped) and where they came from."""
+    """Train and validation token arrays (possibly memory-mapped) and where they came from.
+
+    `val_bytes` is the UTF-8 size of the text behind `val` (None when unknown): with it a
+    loss per token becomes bits per byte, comparable across tokenizers.
+    """
 
     train: np.ndarray
     val: np.ndarray
     source: str
     vocab_size: int
+    val_bytes: int | None = None
 
     def describe(self) -> str:
         """One line for the run header."""
-        return f"{self.source}: {len(self.train):,} train / {len(self.val):,} val tokens"
+        line = f"{self.source}: {len(self.train):,} train / {len(self.val):,} val tokens"
+        if self.val_bytes and len(self.val):
+            line += f" ({self.val_bytes / len(self.val):.2f} bytes per token)"
+        return line
 
 
-def _is_val_file(i: int, fraction: float) -> bool:
-    """Put file i in validation so that exactly `fraction` of files (by count) go there."""
-    return int((i + 1) * fraction) > int(i * fraction)
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest of uint16 / uint32 that holds every id (nanoGPT's .bin files are uint16)."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _read_files(
-    files: list[Path], budget: int, fraction: float, what: str, *, quiet: bool = False
-) -> tuple[bytes, bytes]:
-    """Concatenate files in order up to `budget` bytes, split into train/val by file.
-
-    Leaving files out is announced (a warning for user data; info for the stdlib corpus,
-    where the budget is the point).
-    """
-    train, val, total = bytearray(), bytearray(), 0
-    for i, f in enumerate(files):
-        if total >= budget:
-            level = logging.INFO if quiet else logging.WARNING
-            log.log(
-                level,
-                "%s: --data.max-bytes %d reached; %d files left out",
-                what,
-                budget,
-                len(files) - i,
-            )
-            break
-        data = f.read_bytes()[: budget - total]
-        if b"\0" in data[:8192]:
-            log.warning("%s: skipping %s, it looks binary", what, f)
-            continue
-        (val if _is_val_file(i, fraction) else train).extend(data)
-        total += len(data)
-    return bytes(train), bytes(val)
+def _max_id(arr: np.ndarray) -> int:
+    return max((int(arr[i : i + CHUNK].max()) for i in range(0, len(arr), CHUNK)), default=0)
 
 
-@functools.cache
-def _stdlib_files() -> tuple[Path, tuple[Path, ...]]:
-    """The interpreter's stdlib `.py` files in sorted path order (listed once per process)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return root, tuple(sorted(f for f in root.rglob("*.py") if "site-packages" not in f.parts))
-
-
-def _split_tail(tokens: np.ndarray, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """Split one array: the last `fraction` is validation."""
-    cut = len(tokens) - int(len(tokens) * fraction)
-    return tokens[:cut], tokens[cut:]
-
-
-def _load_array(path: Path, bin_dtype: str) -> np.ndarray:
-    """Memory-map a .npy or raw .bin token file without reading it into RAM."""
-    if path.suffix == ".npy":
-        arr = np.load(path, mmap_mode="r")
-    else:
-        arr = np.memmap(path, dtype=np.dtype(bin_dtype), mode="r")
-    if arr.ndim != 1 or arr.dtype not in (np.uint8, np.uint16):
-        raise DataError(
-            f"{path}: expected a 1-D uint8 or uint16 token array, got {arr.ndim}-D {arr.dtype}; "
-            "save token ids with np.asarray(ids, dtype=np.uint16)"
-        )
-    return arr
-
-
-def _check_vocab(arr: np.ndarray, vocab_size: int, path: Path) -> None:
-    """Refuse token ids outside the model's vocabulary (reads the array once, in chunks)."""
-    chunk = 1 << 24
-    top = max((int(arr[i : i + chunk].max()) for i in range(0, len(arr), chunk)), default=0)
+def _check_vocab(top: int, vocab_size: int, where: str) -> None:
+    """Refuse token ids outside the model's vocabulary, naming the flag value that fits."""
     if top >= vocab_size:
         raise DataError(
-            f"{path}: token id {top} >= vocabulary size {vocab_size}; "
+            f"{where}: token id {top} >= vocabulary size {vocab_size}; "
             f"pass --model.vocab-size {top + 1} (or larger)"
         )
+
+
+def _encode_text(raw: bytes, tok: Tokenizer, what: str) -> np.ndarray:
+    """Token ids of UTF-8 text (bytes tokenizer: the bytes themselves, no copy)."""
+    if tok.kind == "bytes":
+        return np.frombuffer(raw, dtype=np.uint8)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        log.warning("%s: not valid UTF-8; undecodable bytes became U+FFFD", what)
+    dtype = token_dtype(tok.vocab_size)
+    ids = tok.encode_many(list(text_chunks(text)))
+    return np.concatenate([np.asarray(piece, dtype=dtype) for piece in ids] or [np.zeros(0, dtype)])
+
+
+def _array_bytes(arr: np.ndarray, lengths: np.ndarray | None) -> int | None:
+    """UTF-8 bytes behind `arr` from per-token lengths (chunked: arrays may be memory-mapped)."""
+    if lengths is None:
+        return None
+    return sum(int(lengths[arr[i : i + CHUNK]].sum()) for i in range(0, len(arr), CHUNK))
+
+
+def build_corpus(data: TextData | TokenData, tok: Tokenizer, vocab_size: int) -> Corpus:
+    """Token arrays of `data` through `tok`, every id checked against `vocab_size`."""
+    if tok.vocab_size > vocab_size:
+        raise DataError(
+            f"the tokenizer has {tok.vocab_size} tokens but the model {vocab_size}; "
+            f"pass --model.vocab-size {tok.vocab_size}"
+        )
+    if isinstance(data, TextData):
+        if tok.kind == "ids":
+            raise DataError(
+                f"{data.source} is text: tokenize it, --tokenizer ids is for token files"
+            )
+        train = _encode_text(data.train, tok, data.source)
+        val = _encode_text(data.val, tok, data.source)
+        return Corpus(train, val, data.source, tok.vocab_size, len(data.val))
+    if data.meta is not None:
+        _check_vocab(data.meta.vocab_size - 1, vocab_size, f"{data.meta.folder}/meta.json")
+    else:  # no record of the ids: read them once, in chunks
+        if len(data.train) > 1 << 30:
+            log.info("%s: checking every token id once (meta.json skips this)", data.source)
+        top = max(_max_id(data.train), _max_id(data.val))
+        _check_vocab(top, vocab_size, data.source)
+        if tok.kind != "ids" and top >= tok.vocab_size:
+            raise DataError(
+                f"{data.source}: token id {top} but the tokenizer has {tok.vocab_size} tokens; "
+                "these ids come from another tokenizer: pass --tokenizer PATH/tokenizer.json"
+            )
+    val_bytes = data.val_bytes
+    if val_bytes is None:
+        val_bytes = _array_bytes(data.val, tok.byte_lengths())
+    ids = data.meta.vocab_size if data.meta is not None else vocab_size
+    return Corpus(data.train, data.val, data.source, ids, val_bytes)
 
 
 def load_corpus(
@@ -147,40 +142,20 @@ def load_corpus(
     val_fraction: float,
     vocab_size: int = 256,
     bin_dtype: str = "uint16",
+    val_path: str | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Corpus:
-    """Load the corpus named by `--data.path` (None: the stdlib sources) as token arrays."""
-    if path is None:
-        root, files = _stdlib_files()
-        train, val = _read_files(list(files), max_bytes, val_fraction, "stdlib corpus", quiet=True)
-        source = f"Python stdlib sources ({root})"
-    else:
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise DataError(f"--data.path {path}: no such file or directory")
-        if p.suffix in (".npy", ".bin"):
-            arr = _load_array(p, bin_dtype)
-            _check_vocab(arr, vocab_size, p)
-            tr, va = _split_tail(arr, val_fraction)
-            return _checked(Corpus(tr, va, str(p), vocab_size), path)
-        if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file())
-            train, val = _read_files(found, max_bytes, val_fraction, str(p))
-        else:
-            train, val = _read_files([p], max_bytes, 0.0, str(p))
-        if not val:  # a single file, or too few files to hold one out: split the bytes
-            whole = np.frombuffer(train + val, dtype=np.uint8)
-            tr_arr, va_arr = _split_tail(whole, val_fraction)
-            return _checked(Corpus(tr_arr, va_arr, str(p), vocab_size), path)
-        source = str(p)
-    corpus = Corpus(np.frombuffer(train, np.uint8), np.frombuffer(val, np.uint8), source, 256)
-    return _checked(corpus, path)
+    """Load the corpus named by `--data.path` (None: the stdlib sources) as token arrays.
 
-
-def _checked(corpus: Corpus, path: str | None) -> Corpus:
-    """Refuse an empty corpus with a message naming it."""
-    if len(corpus.train) + len(corpus.val) == 0:
-        raise DataError(f"--data.path {path}: the corpus is empty; point it at text or tokens")
-    return corpus
+    Text is tokenized by `tokenizer` (default: bytes); token files are used as they are
+    (default: ids of unknown text).
+    """
+    data = open_data(
+        path, val_path=val_path, max_bytes=max_bytes, val_fraction=val_fraction, bin_dtype=bin_dtype
+    )
+    if tokenizer is None:
+        tokenizer = ByteTokenizer() if isinstance(data, TextData) else IdsTokenizer(vocab_size)
+    return build_corpus(data, tokenizer, vocab_size)
 
 
 def require_length(corpus: Corpus, block_size: int, world_size: int = 1) -> None:
@@ -263,9 +238,27 @@ def get_doc_batch(
     return x, y, int(lengths.sum())
 
 
+def _counts(arr: np.ndarray, vocab_size: int) -> np.ndarray:
+    n = min(len(arr), BASELINE_TOKENS)
+    out = np.zeros(vocab_size, dtype=np.float64)
+    for i in range(0, n, CHUNK):
+        out += np.bincount(arr[i : min(i + CHUNK, n)], minlength=vocab_size)[:vocab_size]
+    return out
+
+
 def unigram_entropy(corpus: Corpus) -> float:
-    """Cross-entropy (nats/token) on val of a unigram model fitted on train: the baseline."""
-    counts = np.bincount(corpus.train, minlength=corpus.vocab_size).astype(np.float64) + 1.0
+    """Cross-entropy (nats/token) on val of a unigram model fitted on train: the baseline.
+
+    Counted over at most the first `BASELINE_TOKENS` tokens of each split.
+    """
+    counts = _counts(corpus.train, corpus.vocab_size) + 1.0
     logp = np.log(counts / counts.sum())
-    val_counts = np.bincount(corpus.val, minlength=corpus.vocab_size)
+    val_counts = _counts(corpus.val, corpus.vocab_size)
     return float(-(val_counts * logp).sum() / max(val_counts.sum(), 1))
+
+
+def bits_per_byte(nats_per_token: float, corpus: Corpus) -> float | None:
+    """A loss per token on `corpus.val` in bits per byte of text (None: bytes unknown)."""
+    if not corpus.val_bytes:
+        return None
+    return nats_per_token * len(corpus.val) / corpus.val_bytes / math.log(2)

@@ -1,27 +1,117 @@
-"""Weights alone, in safetensors format: no code, no optimizer, just the model and its shape."""
+"""Weights alone, no code, no optimizer: isotrain's own `.safetensors`, or a Hugging Face folder.
+
+`isotrain` format: one file, the model config and the tokenizer in its metadata; `sample` and
+`--init-from` read it. `hf` format: a folder `transformers.GPT2LMHeadModel.from_pretrained`
+and `AutoTokenizer.from_pretrained` load (config.json, model.safetensors with GPT-2 names,
+tokenizer.json). Every file gets the permissions of an ordinary file (0666 less the umask).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
+from isotrain.train.hf import gpt2_config, to_gpt2_state
 from isotrain.train.model import GPT
 from isotrain.train.snapshot import load_snapshot
+from isotrain.train.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    byte_level_json,
+    run_tokenizer,
+)
 from isotrain.train.weights import model_from_snapshot, safetensors_module
 
-__all__ = ["export_run", "export_safetensors"]
+__all__ = ["export_hf", "export_run", "export_safetensors", "tokenizer_metadata"]
+
+log = logging.getLogger(__name__)
 
 
-def export_safetensors(model: GPT, out: str | Path) -> Path:
-    """Write `model`'s weights and its config (as metadata) to `out`."""
+def _umask() -> int:
+    """The process umask, read without changing it where Linux allows (else set and restore)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    try:
+        return old
+    finally:
+        os.umask(old)
+
+
+def _ordinary(path: Path) -> Path:
+    """Give `path` the mode a plain `open(path, "w")` would (safetensors writes 0600)."""
+    path.chmod(0o666 & ~_umask())
+    return path
+
+
+def tokenizer_metadata(tok: Tokenizer) -> str:
+    """How the isotrain format records a tokenizer: "bytes", "ids", or its JSON."""
+    return tok.json if isinstance(tok, HFTokenizer) else tok.kind
+
+
+def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None = None) -> Path:
+    """Write `model`'s weights, its config and its tokenizer (as metadata) to `out`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"isotrain_model_config": json.dumps(model.cfg.__dict__)}
+    meta = {
+        "isotrain_model_config": json.dumps(model.cfg.__dict__),
+        "isotrain_tokenizer": tokenizer_metadata(tokenizer or ByteTokenizer()),
+    }
     safetensors_module().save_model(model, str(out), metadata=meta)  # drops the tied duplicate
-    return out
+    return _ordinary(out)
 
 
-def export_run(run_dir: str, out: str | Path, *, which: str = "latest") -> tuple[Path, Path]:
-    """Export the weights of a run's snapshot; returns the file and the snapshot it came from."""
+def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path]:
+    """tokenizer.json + tokenizer_config.json, or nothing (with a warning) for ids."""
+    if isinstance(tok, HFTokenizer):
+        text = tok.json
+    elif tok.kind == "bytes":
+        text = byte_level_json()  # ids equal byte values: AutoTokenizer reads text as isotrain
+    else:
+        log.warning("%s: no tokenizer files: the run trained on ids of unknown text", folder)
+        return []
+    files = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+    files[0].write_text(text, encoding="utf-8")
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": block_size,
+        "clean_up_tokenization_spaces": False,
+    }
+    files[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return files
+
+
+def export_hf(model: GPT, folder: str | Path, tokenizer: Tokenizer | None = None) -> Path:
+    """Write a folder transformers loads as GPT2LMHeadModel (and AutoTokenizer)."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    weights = root / "model.safetensors"
+    safetensors_module().save_file(to_gpt2_state(model), str(weights), metadata={"format": "pt"})
+    config = root / "config.json"
+    config.write_text(json.dumps(gpt2_config(model.cfg), indent=2) + "\n", encoding="utf-8")
+    for path in [
+        weights,
+        config,
+        *_tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size),
+    ]:
+        _ordinary(path)
+    return root
+
+
+def export_run(
+    run_dir: str, out: str | Path, *, which: str = "latest", fmt: str = "isotrain"
+) -> tuple[Path, Path]:
+    """Export the weights of a run's snapshot; returns what was written and the snapshot used."""
     payload, snap = load_snapshot(run_dir, which=which)
-    return export_safetensors(model_from_snapshot(payload, snap), out), snap
+    model = model_from_snapshot(payload, snap)
+    tok = run_tokenizer(run_dir, payload["config"])
+    if fmt == "hf":
+        return export_hf(model, out, tok), snap
+    return export_safetensors(model, out, tok), snap

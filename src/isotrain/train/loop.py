@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from isotrain.compile import compile_counters, compile_model, no_recompiles, war
 from isotrain.contexts import rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, TrainConfig, validate
+from isotrain.train.inputs import load_inputs
 from isotrain.train.model import GPT, Block
 from isotrain.train.optim import build_optimizer
 from isotrain.train.parallel import (
@@ -47,21 +49,20 @@ def setup(cfg: TrainConfig) -> Run:
     """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule."""
     validate(cfg)
     info = init_distributed(cfg.parallel.mode, cfg.device)
-    corpus = data_mod.load_corpus(
-        cfg.data.path,
-        max_bytes=cfg.data.max_bytes,
-        val_fraction=cfg.data.val_fraction,
-        vocab_size=cfg.model.vocab_size,
-        bin_dtype=cfg.data.bin_dtype,
-    )
+    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
-    model = build_model(cfg.model).to(info.device)
+    model = build_model(cfg.model)
+    if init is not None:  # fine-tuning: weights only; optimizer, schedule and guard start fresh
+        model.load_state_dict(init.model.state_dict())
+    model = model.to(info.device)
     example = batches.get("train", 0)[:2]
     train_model = prepare_model(cfg, model, info, example=example)
     optimizer = build_optimizer(model, cfg.optim)
     updater = build_updater(cfg, model, optimizer, info)
-    return Run(cfg, info, batches, model, train_model, optimizer, updater)
+    run = Run(cfg, info, batches, model, train_model, optimizer, updater)
+    run.tokenizer = tokenizer
+    return run
 
 
 def prepare_model(
@@ -127,9 +128,29 @@ def _evaluate_and_record(
     val = evaluate(run)
     st = run.state
     st.last_val, st.best_val = val, min(st.best_val, val)
-    metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline)
-    reporter.line(
-        f"step {st.step:>6}: val loss {val:.4f} nats/byte (unigram baseline {baseline:.4f})"
+    bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
+    metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
+    reporter.line(f"step {st.step:>6}: {_loss_line(run, val, baseline)}")
+
+
+def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
+    """Each loss per token as bits per byte of text (`NAME_bpb`), when the bytes are known."""
+    out = {f"{k}_bpb": data_mod.bits_per_byte(v, run.batches.corpus) for k, v in losses.items()}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _loss_line(run: Run, val: float, baseline: float) -> str:
+    """Validation loss and the unigram baseline, per token and (when known) in bits per byte."""
+    corpus, unit = (
+        run.batches.corpus,
+        "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token",
+    )
+    bpb, base_bpb = (data_mod.bits_per_byte(x, corpus) for x in (val, baseline))
+    if bpb is None or base_bpb is None:
+        return f"val loss {val:.4f} {unit} (unigram baseline {baseline:.4f})"
+    return (
+        f"val loss {val:.4f} {unit}, {bpb:.4f} bits/byte "
+        f"(unigram baseline {baseline:.4f}, {base_bpb:.4f} bits/byte)"
     )
 
 
@@ -228,9 +249,12 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
 def _facts(run: Run, first: int) -> list[str]:
     lines = [
         run.batches.corpus.describe(),
+        f"tokenizer: {run.tokenizer.describe()}",
         f"model: {run.model.num_params():,} parameters",
         f"device: {run.dist.device}, world size {run.dist.world_size}",
     ]
+    if run.cfg.init_from and not first:
+        lines.append(f"weights from --init-from {run.cfg.init_from} (new run, step 0)")
     return lines + ([f"resumed at step {first}"] if first else [])
 
 
@@ -264,8 +288,8 @@ def _finish(
     """Final snapshot, a sample, and the summary."""
     cfg, st = run.cfg, run.state
     save_run(run)
-    text = sample(run.model, "def ", cfg.sample_tokens, seed=cfg.seed) if cfg.sample_tokens else ""
-    if text:
+    if cfg.sample_tokens:
+        text = sample(run.model, "def ", cfg.sample_tokens, tokenizer=run.tokenizer, seed=cfg.seed)
         reporter.line("sample:\n" + "def " + text)
     summary = {
         "steps": st.step,
@@ -273,6 +297,13 @@ def _finish(
         "val_loss": st.last_val,
         "best_val_loss": st.best_val,
         "unigram_baseline": baseline,
+        **_bits_per_byte(
+            run,
+            val=math.nan if st.last_val is None else st.last_val,
+            best_val=st.best_val,
+            unigram_baseline=baseline,
+        ),
+        "tokenizer": run.tokenizer.describe(),
         "train_seconds": train_time,
         **run.updater.totals(),
     }

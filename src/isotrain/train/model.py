@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +33,14 @@ class GPTConfig:
     block_size: int = 256
     """Context length in tokens (bytes for the default tokenizer)."""
     vocab_size: int = 256
-    """Vocabulary size: 256 for the byte tokenizer; raise it for pre-tokenized uint16 data."""
+    """Vocabulary size: 256 for bytes; the number of tokens to train for --tokenizer bpe; at
+    least the tokenizer's for a tokenizer.json or prepared data."""
     dropout: float = 0.0
     """Dropout probability in attention and MLP outputs."""
     bias: bool = True
     """Use biases in Linear and LayerNorm layers."""
+    gelu: Literal["exact", "tanh"] = "exact"
+    """GELU form in the MLP: exact (erf), or tanh (GPT-2's approximation, for its checkpoints)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -70,9 +74,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x))))
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):
@@ -158,27 +163,41 @@ class GPT(nn.Module):
         *,
         temperature: float = 1.0,
         top_k: int | None = None,
+        top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Extend `idx` (B, T) by sampling `max_new_tokens` tokens; call it in eval mode.
 
-        temperature 0 picks the most likely token; `generator` makes sampling reproducible
-        without touching the global RNG.
+        temperature 0 picks the most likely token; `top_k` keeps the k most likely, `top_p`
+        the smallest set whose probability reaches p (nucleus sampling); `generator` makes
+        sampling reproducible without touching the global RNG.
         """
-        if temperature < 0:
+        if not temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1, :].float()  # (B, vocab)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                probs = F.softmax(logits, dim=-1)
+                probs = F.softmax(_filter(logits / temperature, top_k, top_p), dim=-1)
                 nxt = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx
+
+
+def _filter(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Set to -inf every logit outside the top k and outside the top-p nucleus. (B, vocab)"""
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum - sorted_logits.softmax(dim=-1) >= top_p  # mass before it reaches p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,14 +1,83 @@
-"""Text from a trained model, with every mode and global RNG left as it was."""
+"""Text from a trained model through its tokenizer; every mode and global RNG left as it was."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from isotrain.contexts import eval_mode
-from isotrain.train import data as data_mod
+from isotrain.train.config import ConfigError
 from isotrain.train.model import GPT
+from isotrain.train.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["sample"]
+__all__ = ["check_sampling", "sample", "samples"]
+
+
+def check_sampling(
+    *,
+    tokens: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    num_samples: int = 1,
+) -> None:
+    """Refuse a sampling setting that cannot work, naming the flag and a value that does."""
+    checks = [
+        (tokens >= 0, "--tokens", tokens, "use 0 or more", "200"),
+        (
+            math.isfinite(temperature) and temperature >= 0,
+            "--temperature",
+            temperature,
+            "use a finite number >= 0 (0 picks the most likely token)",
+            "0.8",
+        ),
+        (top_k is None or top_k >= 1, "--top-k", top_k, "use 1 or more, or None (all)", "50"),
+        (
+            top_p is None or 0 < top_p <= 1,
+            "--top-p",
+            top_p,
+            "use a probability in (0, 1], or None (off)",
+            "0.9",
+        ),
+        (num_samples >= 1, "--num-samples", num_samples, "use 1 or more", "3"),
+    ]
+    for ok, name, value, fix, example in checks:
+        if not ok:
+            raise ConfigError(f"{name} {value} is invalid: {fix}; try {name} {example}")
+
+
+def samples(
+    model: GPT,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    tokenizer: Tokenizer | None = None,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    seed: int = 0,
+) -> list[str]:
+    """`num_samples` continuations of `prompt` (one batch); modes and global RNGs untouched."""
+    check_sampling(
+        tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_samples=num_samples,
+    )
+    tok = tokenizer or ByteTokenizer()
+    device = next(model.parameters()).device
+    ids = tok.encode(prompt) or tok.encode("\n") or [0]
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (N, T)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    # Every prompt length is a new shape: run compiled blocks eagerly rather than recompile.
+    with eval_mode(model), torch.compiler.set_stance("force_eager"):
+        out = model.generate(
+            idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen
+        )
+    return [tok.decode(row[idx.size(1) :]) for row in out]
 
 
 def sample(
@@ -16,18 +85,20 @@ def sample(
     prompt: str,
     max_new_tokens: int,
     *,
+    tokenizer: Tokenizer | None = None,
     temperature: float = 0.8,
     top_k: int | None = 50,
+    top_p: float | None = None,
     seed: int = 0,
 ) -> str:
     """Text generated from `prompt`; leaves modes and every global RNG as they were."""
-    tok = data_mod.ByteTokenizer()
-    device = next(model.parameters()).device
-    idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    # Every prompt length is a new shape: run compiled blocks eagerly rather than recompile.
-    with eval_mode(model), torch.compiler.set_stance("force_eager"):
-        out = model.generate(
-            idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen
-        )
-    return tok.decode(out[0, idx.size(1) :])
+    return samples(
+        model,
+        prompt,
+        max_new_tokens,
+        tokenizer=tokenizer,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )[0]

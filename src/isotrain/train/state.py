@@ -20,6 +20,7 @@ from isotrain.train import data as data_mod
 from isotrain.train.config import TrainConfig
 from isotrain.train.model import GPT
 from isotrain.train.parallel import DistInfo
+from isotrain.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Batches", "Run", "TrainState", "Updater", "bucket_lengths"]
 
@@ -127,3 +128,4 @@ class Run:
     state: TrainState = field(default_factory=TrainState)
     compile_seconds: float = 0.0
     compile_base: Any = None  # compile counters right after warm-up
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # text <-> ids for samples

@@ -1,0 +1,233 @@
+"""What a run starts from besides its config: the tokenizer and, to fine-tune, the weights.
+
+# NOTE [tokenizer resolution]
+`--tokenizer auto` (the default) takes, in order: the run's own RUN/tokenizer.json when it
+resumes, the tokenizer of `--init-from`, the one a prepared dataset's meta.json names, else
+bytes. An explicit choice must agree with all of those (one identity: bytes, ids, or the
+sha256 of the tokenizer's JSON); a disagreement is refused, naming both. BPE training is
+deterministic (same text, same merges, whatever the thread count), so every rank of a
+distributed run trains the same BPE and only rank 0 writes RUN/tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from isotrain.train.config import ConfigError, TrainConfig, flag, validate
+from isotrain.train.data import Corpus, build_corpus
+from isotrain.train.model import GPT
+from isotrain.train.snapshot import SnapshotError, find_snapshots
+from isotrain.train.sources import TextData, TokenData, open_data
+from isotrain.train.tokenizer import (
+    RUN_TOKENIZER,
+    ByteTokenizer,
+    HFTokenizer,
+    IdsTokenizer,
+    Tokenizer,
+    text_chunks,
+)
+from isotrain.train.weights import load_with_tokenizer
+
+__all__ = [
+    "InitSource",
+    "adopt_shape",
+    "load_inputs",
+    "read_init",
+    "resolve_tokenizer",
+    "save_tokenizer",
+]
+
+log = logging.getLogger(__name__)
+BPE_TRAIN_BYTES = 64 << 20  # BPE merges are learned from at most this much training text
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """Weights to fine-tune (a CPU model) and the tokenizer they were trained with, if known."""
+
+    spec: str
+    model: GPT
+    tokenizer: Tokenizer | None
+
+
+def read_init(spec: str) -> InitSource:
+    """Load `--init-from RUN_DIR | FILE.safetensors | hf:FOLDER` (weights only)."""
+    try:
+        model, tok = load_with_tokenizer(spec)
+    except (ValueError, SnapshotError) as e:
+        raise ConfigError(f"--init-from {spec}: {e}") from e
+    log.info("--init-from %s: %s parameters", spec, f"{model.num_params():,}")
+    return InitSource(spec, model, tok)
+
+
+def adopt_shape(cfg: TrainConfig, src: InitSource) -> TrainConfig:
+    """`cfg` with the source's model shape (dropout stays the config's); differences warned."""
+    shape = dataclasses.replace(src.model.cfg, dropout=cfg.model.dropout)
+    names = [f.name for f in dataclasses.fields(shape)]
+    diffs = [
+        f"{flag('model.' + n)} {getattr(shape, n)!r} (config: {getattr(cfg.model, n)!r})"
+        for n in names
+        if getattr(shape, n) != getattr(cfg.model, n)
+    ]
+    if diffs:
+        log.warning("--init-from %s sets the model shape: %s", src.spec, ", ".join(diffs))
+    return dataclasses.replace(cfg, model=shape)
+
+
+def _identity(tok: Tokenizer) -> str:
+    return tok.sha256 or tok.kind
+
+
+def _data_tokenizer(data: TextData | TokenData) -> Tokenizer | None:
+    """The tokenizer a prepared dataset's meta.json names (checked against its sha256)."""
+    meta = data.meta if isinstance(data, TokenData) else None
+    if meta is None:
+        return None
+    if meta.tokenizer == "bytes":
+        return ByteTokenizer()
+    tok = HFTokenizer.from_file(meta.folder / meta.tokenizer)
+    if meta.tokenizer_sha256 and tok.sha256 != meta.tokenizer_sha256:
+        raise ConfigError(
+            f"{meta.folder}: {meta.tokenizer} is not the tokenizer its meta.json records "
+            "(sha256 differs); run isotrain prepare again"
+        )
+    return tok
+
+
+def _train_bpe(data: TextData | TokenData, vocab_size: int) -> Tokenizer:
+    if isinstance(data, TokenData):
+        raise ConfigError(
+            f"--tokenizer bpe trains on text, but {data.source} holds token ids already; "
+            "drop --tokenizer (auto uses the data's) or point --data.path at text"
+        )
+    if len(data.train) > BPE_TRAIN_BYTES:
+        log.info("BPE merges learned from the first %d MB of training text", BPE_TRAIN_BYTES >> 20)
+    text = data.train[:BPE_TRAIN_BYTES].decode("utf-8", errors="replace")
+    start = time.perf_counter()
+    tok = HFTokenizer.train_bpe(text_chunks(text), vocab_size)
+    log.info("trained a %d-token BPE in %.1f s", vocab_size, time.perf_counter() - start)
+    return tok
+
+
+def _choose(cfg: TrainConfig, data: TextData | TokenData, init: Tokenizer | None) -> Tokenizer:
+    """The tokenizer `--tokenizer` names, before the agreement checks."""
+    spec = cfg.tokenizer
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec == "ids":
+        return IdsTokenizer(cfg.model.vocab_size)
+    if spec == "bpe":
+        return _train_bpe(data, cfg.model.vocab_size)
+    if spec != "auto":
+        return HFTokenizer.from_file(spec)
+    found = init or _data_tokenizer(data)
+    if found is None and isinstance(data, TokenData):
+        raise ConfigError(
+            f"{data.source} holds token ids but no meta.json naming their tokenizer: pass "
+            "--tokenizer PATH/tokenizer.json (the one that made them), or --tokenizer ids to "
+            "train on the ids alone (no bits per byte, samples as numbers)"
+        )
+    return found or ByteTokenizer()
+
+
+def _check_agrees(tok: Tokenizer, data: TextData | TokenData, init: InitSource | None) -> None:
+    """Refuse a tokenizer other than the one the data or the initial weights were made with."""
+    if tok.kind == "ids":
+        return
+    others = [("--init-from " + init.spec, init.tokenizer)] if init else []
+    others.append((f"--data.path {data.source}", _data_tokenizer(data)))
+    for where, other in others:
+        if other is not None and _identity(other) != _identity(tok):
+            raise ConfigError(
+                f"{where} was made with {other.describe()}, but the run's tokenizer is "
+                f"{tok.describe()}; data, weights and --tokenizer must share one: drop "
+                "--tokenizer, or prepare the data again with isotrain prepare --tokenizer PATH"
+            )
+
+
+def _check_resume(tok: Tokenizer, run_dir: Path) -> None:
+    """A resumed run keeps the tokenizer it trained with."""
+    saved = run_dir / RUN_TOKENIZER
+    before = HFTokenizer.from_file(saved) if saved.is_file() else None
+    if (before.sha256 if before else "") != tok.sha256:
+        was = before.describe() if before else "bytes or ids (no tokenizer.json)"
+        raise ConfigError(
+            f"cannot resume {run_dir}: it trained with {was}, not {tok.describe()}; drop "
+            "--tokenizer to continue it, or pass a new --out-dir"
+        )
+
+
+def resolve_tokenizer(
+    cfg: TrainConfig,
+    data: TextData | TokenData,
+    *,
+    init: InitSource | None = None,
+    resuming: bool = False,
+) -> Tokenizer:
+    """The run's tokenizer (see NOTE [tokenizer resolution]); never one the data contradicts."""
+    saved = Path(cfg.out_dir) / RUN_TOKENIZER
+    if resuming and saved.is_file() and cfg.tokenizer in ("auto", "bpe"):
+        tok: Tokenizer = HFTokenizer.from_file(saved)
+    else:
+        tok = _choose(cfg, data, init.tokenizer if init else None)
+    _check_agrees(tok, data, init)
+    if resuming:
+        _check_resume(tok, Path(cfg.out_dir))
+    if cfg.tokenizer_sha256 and tok.sha256 != cfg.tokenizer_sha256:
+        raise ConfigError(
+            f"--tokenizer-sha256 {cfg.tokenizer_sha256[:12]}… does not match "
+            f"{tok.describe()}; pass the tokenizer it names, or drop --tokenizer-sha256"
+        )
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"--model.vocab-size {cfg.model.vocab_size} is too small for {tok.describe()}; "
+            f"pass --model.vocab-size {tok.vocab_size}"
+        )
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> None:
+    """Store an HF tokenizer as RUN/tokenizer.json (written whole, then renamed); for bytes and
+    ids remove a stale one a failed earlier start may have left."""
+    path = Path(run_dir) / RUN_TOKENIZER
+    if not isinstance(tok, HFTokenizer):
+        path.unlink(missing_ok=True)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tok.save(tmp)
+    tmp.replace(path)
+
+
+def load_inputs(
+    cfg: TrainConfig, *, is_main: bool = True
+) -> tuple[TrainConfig, Corpus, Tokenizer, InitSource | None]:
+    """Initial weights, data and tokenizer of a run, and its config with what they settle:
+    the model shape of `--init-from` and the tokenizer's sha256."""
+    init = read_init(cfg.init_from) if cfg.init_from else None
+    if init is not None:
+        cfg = validate(adopt_shape(cfg, init))
+    d = cfg.data
+    data = open_data(
+        d.path,
+        val_path=d.val_path,
+        max_bytes=d.max_bytes,
+        val_fraction=d.val_fraction,
+        bin_dtype=d.bin_dtype,
+    )
+    resuming = bool(find_snapshots(cfg.out_dir))  # refused later if resuming is not allowed
+    tok = resolve_tokenizer(cfg, data, init=init, resuming=resuming)
+    if d.varlen and tok.kind != "bytes":
+        raise ConfigError(
+            f"--data.varlen splits documents at blank lines of byte data, not {tok.describe()}; "
+            "drop --data.varlen or use --tokenizer bytes"
+        )
+    cfg = dataclasses.replace(cfg, tokenizer_sha256=tok.sha256)
+    corpus = build_corpus(data, tok, cfg.model.vocab_size)
+    if is_main and not resuming:
+        save_tokenizer(tok, cfg.out_dir)
+    return cfg, corpus, tok, init

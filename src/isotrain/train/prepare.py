@@ -1,0 +1,298 @@
+"""`isotrain prepare`: text on disk -> `train.bin` / `val.bin` token files plus `meta.json`.
+
+The output is nanoGPT's layout (flat arrays, uint16, or uint32 when the vocabulary needs it)
+with a small meta file naming the tokenizer (copied beside it as `tokenizer.json`), its
+sha256, and the bytes of text behind each split, so a run on it reports bits per byte.
+Input is streamed in pieces of about a megabyte, so a corpus larger than RAM is prepared and
+then trained memory-mapped. Inputs: text files, folders, globs; `.jsonl` (one JSON object
+per line, `--text-field`); `.json` and `.parquet` through Hugging Face `datasets` if it is
+installed. Records are separated by a blank line.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from isotrain.train.data import token_dtype
+from isotrain.train.sources import META_FILE, DataError, find_files, is_val_file
+from isotrain.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+__all__ = ["Part", "plan_parts", "prepare"]
+
+log = logging.getLogger(__name__)
+BLOCK = 1 << 20  # bytes read per piece of text
+DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """A range of one input file going to one split: bytes for text, rows for datasets."""
+
+    split: str
+    path: Path
+    start: int
+    end: int
+
+
+def _datasets_rows(path: Path) -> Any:
+    """The rows of a `.json` / `.parquet` file through Hugging Face `datasets` (optional)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(
+            f"{path}: .json and .parquet inputs are read through Hugging Face datasets: "
+            "pip install datasets (or convert to .jsonl, read without it)"
+        ) from e
+    return datasets.load_dataset(
+        DATASETS_SUFFIXES[path.suffix], data_files=[str(path)], split="train"
+    )
+
+
+def _size(path: Path) -> int:
+    return len(_datasets_rows(path)) if path.suffix in DATASETS_SUFFIXES else path.stat().st_size
+
+
+def _line_cut(path: Path, at: int) -> int:
+    """The first line start at or after byte `at` (the end of the file if none)."""
+    if at == 0:
+        return 0
+    with path.open("rb") as f:
+        f.seek(at - 1)
+        while chunk := f.read(1 << 16):
+            nl = chunk.find(b"\n")
+            if nl >= 0:
+                return f.tell() - len(chunk) + nl + 1
+    return path.stat().st_size
+
+
+def plan_parts(inputs: list[Path], val_inputs: list[Path], val_fraction: float) -> list[Part]:
+    """Train/val ranges: a separate val input, else whole files by count (as the trainer
+    splits a folder), else the tail of the inputs, cut at a line start."""
+    if val_inputs:
+        return [Part("train", p, 0, _size(p)) for p in inputs] + [
+            Part("val", p, 0, _size(p)) for p in val_inputs
+        ]
+    sizes = [_size(p) for p in inputs]
+    by_file = [is_val_file(i, val_fraction) for i in range(len(inputs))]
+    if len(inputs) > 1 and any(by_file):
+        return [Part("val" if v else "train", p, 0, n) for p, n, v in zip(inputs, sizes, by_file)]
+    cut, parts, seen = sum(sizes) - int(sum(sizes) * val_fraction), [], 0
+    for p, n in zip(inputs, sizes):
+        at = min(max(cut - seen, 0), n)
+        if 0 < at < n and p.suffix not in DATASETS_SUFFIXES:
+            at = _line_cut(p, at)
+        parts += [Part("train", p, 0, at)] if at else []
+        parts += [Part("val", p, at, n)] if at < n else []
+        seen += n
+    return parts
+
+
+def _text_pieces(part: Part) -> Iterator[tuple[str, int]]:
+    """(text, bytes read) of a byte range, in pieces that end at a line end where possible."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    carry = ""
+    with part.path.open("rb") as f:
+        f.seek(part.start)
+        left = part.end - part.start
+        while left > 0 and (raw := f.read(min(BLOCK, left))):
+            left -= len(raw)
+            text = carry + decoder.decode(raw)
+            cut = text.rfind("\n") + 1 or (len(text) if len(text) > 4 * BLOCK else 0)
+            piece, carry = text[:cut], text[cut:]
+            yield piece, len(raw)
+    tail = carry + decoder.decode(b"", final=True)
+    if tail:
+        yield tail, 0
+
+
+def _record_text(record: Any, field: str, where: str) -> str:
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+        raise DataError(f"{where}: no text field {field!r}; pass --text-field NAME")
+    return str(record[field]) + "\n\n"
+
+
+def _jsonl_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
+    with part.path.open("rb") as f:
+        f.seek(part.start)
+        pos = part.start
+        while pos < part.end and (line := f.readline()):
+            pos += len(line)
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    raise DataError(f"{part.path}: a line is not JSON ({e})") from e
+                yield _record_text(record, field, str(part.path)), len(line)
+
+
+def _rows_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
+    rows = _datasets_rows(part.path)
+    for i in range(part.start, part.end):
+        yield _record_text(rows[i], field, f"{part.path} row {i}"), 1
+
+
+def pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
+    """(text, progress units) of a part, whatever its format."""
+    if part.path.suffix == ".jsonl":
+        return _jsonl_pieces(part, field)
+    if part.path.suffix in DATASETS_SUFFIXES:
+        return _rows_pieces(part, field)
+    return _text_pieces(part)
+
+
+def _bpe_text(
+    parts: list[Part], field: str, budget: int, advance: Callable[[int], None]
+) -> Iterator[str]:
+    """Training text for BPE merges: the train parts, up to `budget` bytes."""
+    seen = 0
+    for part in (p for p in parts if p.split == "train"):
+        for text, n in pieces(part, field):
+            advance(n)
+            yield text
+            seen += len(text)
+            if seen >= budget:
+                return
+
+
+def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
+    if isinstance(tok, ByteTokenizer):  # no Python list of ints per byte
+        return np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8).astype(dtype)
+    parts = [np.asarray(ids, dtype=dtype) for ids in tok.encode_many(texts)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+class _Writer:
+    """Appends token ids of one split to its temporary file; counts tokens and text bytes."""
+
+    def __init__(self, path: Path, dtype: np.dtype) -> None:
+        self.file, self.dtype = path.open("wb"), dtype
+        self.tokens = self.bytes = 0
+
+    def write(self, tok: Tokenizer, texts: list[str]) -> None:
+        ids = _encode(tok, texts, self.dtype)
+        ids.tofile(self.file)
+        self.tokens += len(ids)
+        self.bytes += sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _write_splits(
+    parts: list[Part], tok: Tokenizer, out: Path, field: str, advance: Callable[[int], None]
+) -> dict[str, dict[str, Any]]:
+    """Tokenize every part into `.train.bin.tmp` / `.val.bin.tmp`, 16 pieces per batch."""
+    dtype = token_dtype(tok.vocab_size)
+    writers: dict[str, _Writer] = {}
+    try:
+        for s in ("train", "val"):
+            writers[s] = _Writer(out / f".{s}.bin.tmp", dtype)
+        for part in parts:
+            batch: list[str] = []
+            for text, n in pieces(part, field):
+                batch.append(text)
+                advance(n)
+                if len(batch) == 16:
+                    writers[part.split].write(tok, batch)
+                    batch = []
+            writers[part.split].write(tok, batch)
+    finally:
+        for w in writers.values():
+            w.file.close()
+    return {
+        s: {"file": f"{s}.bin", "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()
+    }
+
+
+def _progress(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )
+
+
+def _tokenizer(
+    spec: str, vocab_size: int, parts: list[Part], field: str, budget: int, bar: Progress
+) -> Tokenizer:
+    """bytes, a BPE learned from the train parts, or a tokenizer.json."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if spec != "bpe":
+        return HFTokenizer.from_file(spec)
+    if vocab_size <= 256:
+        raise DataError(f"--vocab-size {vocab_size}: a BPE needs more than 256 tokens; try 1024")
+    total = min(budget, sum(p.end - p.start for p in parts if p.split == "train"))
+    task = bar.add_task("learn BPE merges", total=total)
+    texts = _bpe_text(parts, field, budget, lambda n: bar.advance(task, n))
+    return HFTokenizer.train_bpe(texts, vocab_size)
+
+
+def prepare(
+    inputs: list[str],
+    out: str | Path,
+    *,
+    val_input: str | None = None,
+    tokenizer: str = "bytes",
+    vocab_size: int = 1024,
+    val_fraction: float = 0.1,
+    text_field: str = "text",
+    bpe_train_bytes: int = 100_000_000,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `inputs` into `out`/train.bin, val.bin, meta.json; returns the meta record."""
+    root = Path(out).expanduser()
+    if (root / "train.bin").exists() and not overwrite:
+        raise DataError(f"--out {out} already holds train.bin; pass --overwrite or another --out")
+    if not 0 < val_fraction < 1:
+        raise DataError(f"--val-fraction {val_fraction} is invalid: use (0, 1); try 0.1")
+    files = [f for spec in inputs for f in find_files(spec, "--input")]
+    val_files = find_files(val_input, "--val-input") if val_input else []
+    parts = plan_parts(files, val_files, val_fraction)
+    root.mkdir(parents=True, exist_ok=True)
+    with _progress(progress) as bar:
+        tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
+        task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
+        splits = _write_splits(parts, tok, root, text_field, lambda n: bar.advance(task, n))
+    return _publish(root, tok, splits)
+
+
+def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rename the token files into place, then the tokenizer, then meta.json last."""
+    empty = [s for s, c in splits.items() if c["tokens"] == 0]
+    if empty:
+        raise DataError(
+            f"the {' and '.join(empty)} split came out empty; give more text, a larger "
+            "--val-fraction, or --val-input"
+        )
+    for s in splits:
+        (root / f".{s}.bin.tmp").replace(root / f"{s}.bin")
+    name = "bytes"
+    if isinstance(tok, HFTokenizer):
+        name = "tokenizer.json"
+        tok.save(root / name)
+    meta = {
+        "format": "isotrain-tokens",
+        "version": 1,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "vocab_size": tok.vocab_size,
+        "tokenizer": name,
+        "tokenizer_sha256": tok.sha256,
+        "splits": splits,
+    }
+    tmp = root / f".{META_FILE}.tmp"
+    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(root / META_FILE)
+    log.info(
+        "%s: %d train / %d val tokens", root, splits["train"]["tokens"], splits["val"]["tokens"]
+    )
+    return meta
