@@ -123,5 +123,6 @@ def test_crash_test_flags_resolve_over_the_smoke_preset() -> None:
     assert type(got["data.max_bytes"]) is int and type(got["model.dropout"]) is float
     assert got["model.n_layer"] == 2 != C.TrainConfig().model.n_layer
     # A later flag wins over an earlier one, and validation names the flag, value and fix.
-    with pytest.raises(C.ConfigError, match=r"^--snapshot.keep 0 is invalid: keep at least 1$"):
+    message = r"^--snapshot.keep 0 is invalid: keep at least 1; try --snapshot.keep 2$"
+    with pytest.raises(C.ConfigError, match=message):
         C.validate(parse_train_args([*ARGS, "--snapshot.keep", "0"]))

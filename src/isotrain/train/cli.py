@@ -7,21 +7,69 @@ preset < `--config FILE.toml` < flags. User errors print one clear line and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
 import tyro
 
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml
 from isotrain.train.data import DataError
+from isotrain.train.rundir import WriteError
 from isotrain.train.snapshot import SnapshotError
 
 __all__ = ["main"]
 
 USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
+# Optional packages and the extra that installs each: a missing one is a user error too.
+EXTRAS = {"matplotlib": "plots", "tensorboard": "tensorboard", "safetensors": "export"}
+T = TypeVar("T")
+
+
+def _one_line(box: str) -> str:
+    """tyro's framed error message as one line (titles, rules and help pointers dropped)."""
+    words = []
+    for raw in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines():
+        line = raw.strip().strip("│┃").strip()
+        if line.startswith("Argument helptext"):
+            break
+        if line and not line.startswith(("╭", "╰", "For full helptext")) and set(line) - set("─━ "):
+            words.append(line)
+    return " ".join(words) or "invalid arguments"
+
+
+def parse(cls: type[T], argv: Sequence[str], prog: str, **kwargs: Any) -> T:
+    """`tyro.cli`, with a parse error turned into a one-line ConfigError (`--help` unchanged)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(cls, args=list(argv), prog=prog, **kwargs)
+    except SystemExit as e:
+        if e.code:
+            raise ConfigError(f"{_one_line(captured.getvalue())}; try {prog} --help") from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())  # warnings of a successful parse
+    return args
+
+
+def check_output(option: str, path: Path, *, is_dir: bool) -> None:
+    """Refuse an output path that cannot be written: a directory where a file goes (or the
+    reverse), or a path under a file."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if at == path and at.is_dir() != is_dir:
+                kind = "a directory" if at.is_dir() else "a file"
+                raise ConfigError(f"{option} {path} is {kind}; try another {option}")
+            if at != path and not at.is_dir():
+                raise ConfigError(f"{option} {path} lies under the file {at}; try another {option}")
+            return
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
@@ -37,7 +85,7 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
         "Train the GPT. Presets: " + ", ".join(sorted(PRESETS)) + " (--preset NAME, default "
         "tiny); --config FILE.toml overlays a TOML file; flags override both."
     )
-    return tyro.cli(TrainConfig, default=cfg, args=rest, prog="isotrain train", description=desc)
+    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=desc)
 
 
 def cmd_train(argv: Sequence[str]) -> int:
@@ -70,10 +118,9 @@ class SampleArgs:
 
 def cmd_sample(argv: Sequence[str]) -> int:
     from isotrain.train.sampling import sample
-    from isotrain.train.weights import load_model
 
-    args = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
-    model = load_model(args.run, which=args.which)
+    args = parse(SampleArgs, argv, "isotrain sample")
+    model = _load(args.run, args.which)
     text = sample(
         model,
         args.prompt,
@@ -84,6 +131,24 @@ def cmd_sample(argv: Sequence[str]) -> int:
     )
     sys.stdout.write(args.prompt + text + "\n")
     return 0
+
+
+def _load(source: str, which: str) -> Any:
+    """The model to sample from; an unreadable export file is a user error, not a traceback."""
+    from safetensors import SafetensorError
+
+    from isotrain.train.weights import load_model
+
+    if not source.endswith(".safetensors"):
+        return load_model(source, which=which)
+    try:
+        return load_model(source, which=which)
+    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"--run {source}: not a readable isotrain export ({reason}); "
+            "try a file written by isotrain export"
+        ) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,7 +166,8 @@ class RunArgs:
 def cmd_plot(argv: Sequence[str]) -> int:
     from isotrain.train.plots import plot_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain plot")
+    args = parse(RunArgs, argv, "isotrain plot")
+    check_output("--out", Path(args.out or args.run), is_dir=True)
     for path in plot_run(args.run, args.out):
         sys.stdout.write(f"wrote {path}\n")
     return 0
@@ -113,7 +179,7 @@ def cmd_report(argv: Sequence[str]) -> int:
 
     from isotrain.train.plots import summarize_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain report")
+    args = parse(RunArgs, argv, "isotrain report")
     table = Table(title=f"isotrain report: {args.run}", show_header=False)
     for key, value in summarize_run(args.run).items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -124,8 +190,10 @@ def cmd_report(argv: Sequence[str]) -> int:
 def cmd_export(argv: Sequence[str]) -> int:
     from isotrain.train.export import export_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain export")
-    out, snap = export_run(args.run, args.out or f"{args.run}/model.safetensors", which=args.which)
+    args = parse(RunArgs, argv, "isotrain export")
+    target = Path(args.out or f"{args.run}/model.safetensors")
+    check_output("--out", target, is_dir=False)
+    out, snap = export_run(args.run, target, which=args.which)
     sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
     return 0
 
@@ -154,4 +222,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except USER_ERRORS as e:
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        return 2
+    except WriteError as e:  # the machine, not the command: exit 1
+        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        return 1
+    except ImportError as e:
+        extra = EXTRAS.get((e.name or getattr(e.__cause__, "name", None) or "").split(".")[0])
+        if extra is None:
+            raise
+        sys.stderr.write(
+            f"isotrain {argv[0]}: error: {e}; try pip install 'isotrain[{extra}]'\n"
+            if "pip install" not in str(e)
+            else f"isotrain {argv[0]}: error: {e}\n"
+        )
         return 2
