@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 
 import tyro
 
-from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml
+from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data import DataError
 from isotrain.train.rundir import WriteError
 from isotrain.train.snapshot import SnapshotError
@@ -33,14 +33,17 @@ T = TypeVar("T")
 
 
 def _one_line(box: str) -> str:
-    """tyro's framed error message as one line (titles, rules and help pointers dropped)."""
+    """tyro's error message as one line: the title (first line), frames, rules and help
+    pointers dropped. Handles the framed (terminal) and the plain (captured) layout."""
+    lines = [
+        ln.strip().strip("│┃|").strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines()
+    ]
+    lines = [ln for ln in lines if ln and not set(ln) <= set("─━-=+╭╮╰╯ ")][1:]
     words = []
-    for raw in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines():
-        line = raw.strip().strip("│┃").strip()
-        if line.startswith("Argument helptext"):
+    for line in lines:
+        if line.startswith(("For full helptext", "Argument helptext")):
             break
-        if line and not line.startswith(("╭", "╰", "For full helptext")) and set(line) - set("─━ "):
-            words.append(line)
+        words.append(line)
     return " ".join(words) or "invalid arguments"
 
 
@@ -52,7 +55,8 @@ def parse(cls: type[T], argv: Sequence[str], prog: str, **kwargs: Any) -> T:
             args = tyro.cli(cls, args=list(argv), prog=prog, **kwargs)
     except SystemExit as e:
         if e.code:
-            raise ConfigError(f"{_one_line(captured.getvalue())}; try {prog} --help") from None
+            reason = _one_line(captured.getvalue()).rstrip(".")
+            raise ConfigError(f"{reason}; try {prog} --help") from None
         sys.stderr.write(captured.getvalue())
         raise
     sys.stderr.write(captured.getvalue())  # warnings of a successful parse
@@ -92,7 +96,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import train
 
     cfg = parse_train_args(argv)
-    train(cfg)
+    train(validate(cfg))
     return 0
 
 
@@ -230,9 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = EXTRAS.get((e.name or getattr(e.__cause__, "name", None) or "").split(".")[0])
         if extra is None:
             raise
-        sys.stderr.write(
-            f"isotrain {argv[0]}: error: {e}; try pip install 'isotrain[{extra}]'\n"
-            if "pip install" not in str(e)
-            else f"isotrain {argv[0]}: error: {e}\n"
-        )
+        fix = "" if "pip install" in str(e) else f"; try pip install 'isotrain[{extra}]'"
+        sys.stderr.write(f"isotrain {argv[0]}: error: {e}{fix}\n")
         return 2

@@ -277,7 +277,7 @@ def _unit(v: Any) -> bool:
 COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # Each field's own range: dotted path -> (accepts the value, the rule in words).
-RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool], str, str]] = {
     **dict.fromkeys(
         (
             *("model.n_layer", "model.n_head", "model.d_model", "model.block_size"),
@@ -301,7 +301,11 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "snapshot.keep": (lambda v: v >= 1, "keep at least 1"),
     "quant.bits": (lambda v: 0 <= v <= 16, "use 0 (off) or 1..16"),
     "guard.spike_window": (lambda v: v >= 2, "use 2 or more"),
-    "guard.inject_nan_at": (lambda v: all(s >= 1 for s in v), "steps are numbered from 1"),
+    "guard.inject_nan_at": (
+        lambda v: all(s >= 1 for s in v),
+        "steps are numbered from 1",
+        "--guard.inject-nan-at 3 (or leave it out)",
+    ),
     "seed": (lambda v: 0 <= v < 2**63, "use 0 to 2**63 - 1"),
     "compile.mode": (lambda v: v in COMPILE_MODES, f"use one of {COMPILE_MODES[1:]}"),
 }
@@ -311,7 +315,7 @@ def _check(ok: bool, path: str, value: Any, rule: str, fix: str | None = None) -
     """Raise `--flag VALUE is invalid: RULE; try FIX` (FIX: the flag with its default)."""
     if not ok:
         fix = fix or flag_value(path, operator.attrgetter(path)(TrainConfig()))
-        raise ConfigError(f"{flag(path)} {value!r} is invalid: {rule}; try {fix}")
+        raise ConfigError(f"{flag_value(path, value)} is invalid: {rule}; try {fix}")
 
 
 def _check_relations(cfg: TrainConfig) -> None:
@@ -369,9 +373,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     Types come from the annotations (`fields.check_types`), ranges from `RULES`.
     """
     check_types(cfg)
-    for path, (ok, rule) in RULES.items():
+    for path, (ok, rule, *fix) in RULES.items():
         value = operator.attrgetter(path)(cfg)
-        _check(ok(value), path, value, rule)
+        _check(ok(value), path, value, rule, *fix)
     _check_relations(cfg)
     _check_environment(cfg)
     return cfg

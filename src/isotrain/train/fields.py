@@ -93,7 +93,7 @@ def describe(hint: Any) -> str:
         if typing.get_origin(arm) is Literal:
             words.append("one of " + ", ".join(repr(a) for a in typing.get_args(arm)))
         elif typing.get_origin(arm) is tuple:
-            words.append(f"a list of {describe(typing.get_args(arm)[0])[2:]}s")
+            words.append(f"a list of {describe(typing.get_args(arm)[0]).split(' ', 1)[1]}s")
         else:
             names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
             words.append(names.get(arm, "nothing" if arm is type(None) else str(arm)))
@@ -161,10 +161,10 @@ def overlay(obj: Any, updates: dict[str, Any], prefix: str, source: str) -> Any:
     for key, value in updates.items():
         name = key.replace("-", "_")
         if name not in names:
-            near = difflib.get_close_matches(name, names, n=1) or names[:3]
+            near = difflib.get_close_matches(name, names, n=1)
             raise ConfigError(
-                f"{source}: unknown setting '{prefix}{key}'; try {' or '.join(near)} "
-                "(isotrain train --help lists every setting)"
+                f"{source}: unknown setting '{prefix}{key}'; try "
+                + (f"'{prefix}{near[0]}'" if near else "one of " + ", ".join(names))
             )
         current = getattr(obj, name)
         if dataclasses.is_dataclass(current):
@@ -177,7 +177,8 @@ def overlay(obj: Any, updates: dict[str, Any], prefix: str, source: str) -> Any:
         hint = hints(type(obj))[name]
         why = check_value(value, hint)
         if why is not None:
-            fix = f"{name} = {_toml(current)}" if current is not None else f"removing {name}"
+            section = f"[{prefix[:-1]}] " if prefix else ""
+            fix = f"{section}{name} = {_toml(current)}" if current is not None else "removing it"
             raise ConfigError(
                 f"{source}: {prefix}{key} = {_toml(value)} is invalid: {why}; try {fix}"
             )

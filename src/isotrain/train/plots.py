@@ -33,7 +33,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plots need matplotlib: pip install 'isotrain[plots]'") from e
+        raise ImportError(
+            "plots need matplotlib, which is not installed; try pip install 'isotrain[plots]'"
+        ) from e
     records = read_metrics(run_dir)
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)

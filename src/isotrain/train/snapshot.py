@@ -253,7 +253,9 @@ def load_snapshot(
     root = snapshots_dir(run_dir)
     found = sorted((p for p in root.glob("step_*") if SNAPSHOT_NAME.fullmatch(p.name)), key=_step)
     if not found:
-        raise SnapshotError(f"{run_dir}: no snapshot found (looked in {root})")
+        raise SnapshotError(
+            f"{run_dir}: no snapshot found (looked in {root}); try the --out-dir of a run"
+        )
     pointer_file = root / ("BEST" if which == "best" else "LATEST")
     pointer = read_pointer(pointer_file)
     if pointer is not None and root / pointer not in found:
