@@ -70,6 +70,7 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     assert _wait_for(lambda: len(find_snapshots(out)) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    assert sorted(out.rglob(".*")) == []  # no temporary file, no lock left behind
     stopped_at = int((out / "snapshots" / "LATEST").read_text().split("_")[1])
     assert 5 <= stopped_at < 60
     # 2. SIGKILL at seeded random moments of training (bounded): each restart resumes.
@@ -88,6 +89,7 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     # 3. Run to the end.
     proc = _start(out)
     assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()
+    assert sorted(out.rglob(".*")) == []  # what the kills left behind is gone
     # 4. The same run without interruptions, in-process.
     straight = tmp_path / "straight"
     train(dataclasses.replace(parse_train_args(ARGS), out_dir=str(straight)))

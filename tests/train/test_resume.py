@@ -76,6 +76,13 @@ def test_resume_refuses_a_shape_change(tmp_path) -> None:
         match=r"cannot resume: --model.d-model is 64 but the snapshot was trained with 32",
     ):
         train(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32, bias=False))
+    with pytest.raises(C.ConfigError) as info:
+        train(cfg)
+    assert str(info.value) == (  # the fix is a flag the CLI accepts (not "--model.bias True")
+        "cannot resume: --model.bias is False but the snapshot was trained with True; try "
+        "--model.bias, or a new --out-dir"
+    )
 
 
 def test_auto_resume_off_refuses_a_used_directory(tmp_path) -> None:

@@ -185,3 +185,22 @@ def test_report_and_plot_tolerate_a_torn_last_line(tmp_path, capsys, caplog) -> 
     assert main(["plot", "--run", str(run), "--out", str(tmp_path / "plots")]) == 0
     assert "skipped 1 unreadable line(s)" in caplog.text
     assert (tmp_path / "plots" / "loss.png").is_file()
+
+
+# ------------------------------------------------------------------------- leftovers
+def _hidden(run: Path) -> list[str]:
+    """Temporaries and locks: every dot-file or dot-directory under the run."""
+    return sorted(str(p.relative_to(run)) for p in run.rglob(".*"))
+
+
+def test_no_temporary_survives_a_run_even_after_a_killed_one(tmp_path) -> None:
+    run = tmp_path / "run"
+    assert _train(run, "--steps", "2") == 0
+    assert _hidden(run) == []
+    snaps = run / "snapshots"  # what a SIGKILL at the worst moments leaves behind
+    (snaps / ".tmp_step_0000003_4242" / "shards").mkdir(parents=True)
+    (snaps / ".LATEST.tmp4242").write_text("step_0000003")
+    (run / ".metrics.jsonl.tmp4242").write_text("{}")
+    (run / LOCK_FILE).write_text("4242\n")
+    assert _train(run, "--steps", "4") == 0
+    assert _hidden(run) == []

@@ -101,6 +101,8 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop records a crashed run wrote after the snapshot it resumes from, and any line a
     crash or a full disk cut short."""
     path = run_dir / METRICS_FILE
+    for stale in run_dir.glob(f".{METRICS_FILE}.tmp*"):  # a rewrite a crash cut short
+        stale.unlink(missing_ok=True)
     if not path.is_file():
         return
     lines, torn = metric_lines(path)
