@@ -30,7 +30,7 @@ from torch import nn
 from isotrain.train.config import ConfigError
 from isotrain.train.integrity import SnapshotError, one_line
 from isotrain.train.rundir import write_error, writing
-from isotrain.train.snapshot import SHARDS, open_shards, publish, temp_dir
+from isotrain.train.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
 
 __all__ = [
     "SHARDS",
@@ -113,7 +113,7 @@ def save_sharded(
     from torch.distributed.checkpoint.state_dict_saver import save
 
     rank, world = _world()
-    root = Path(run_dir) / "snapshots"
+    root = snapshots_dir(run_dir)
     token = [os.getpid()]  # rank 0 names the temporary directory that every rank writes into
     if world > 1:
         dist.broadcast_object_list(token, src=0)

@@ -37,6 +37,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = re.compile(r"step_[0-9]{7,19}")
+META_LIMIT = 64 << 20  # bytes: a manifest of every shard of a large run is far smaller
 FORMAT_VERSIONS = (1, 2)  # 1: meta.json checksummed state.pt only; 2: every file
 
 
@@ -69,7 +70,10 @@ def read_pointer(path: Path) -> str | None:
     holds anything else (a path, bytes that are not text, a link)."""
     if not path.is_file() and not path.is_symlink():
         return None
-    raw = b"" if path.is_symlink() else path.read_bytes()[:64]
+    raw = b""
+    if not path.is_symlink():
+        with path.open("rb") as f:
+            raw = f.read(64)  # a snapshot name is 12-24 bytes: never read a planted giant
     name = raw.decode("ascii", errors="replace").strip()
     if SNAPSHOT_NAME.fullmatch(name):
         return name
@@ -82,6 +86,8 @@ def read_meta(snap: Path) -> dict[str, Any]:
     path = snap / "meta.json"
     if path.is_symlink() or not path.is_file():
         raise SnapshotError(f"{snap}: meta.json is missing or a link")
+    if path.stat().st_size > META_LIMIT:
+        raise SnapshotError(f"{snap}: meta.json is {path.stat().st_size} bytes, too big to be one")
     try:
         meta = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as e:

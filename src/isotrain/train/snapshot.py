@@ -48,6 +48,7 @@ __all__ = [
     "open_shards",
     "publish",
     "save_snapshot",
+    "snapshots_dir",
     "temp_dir",
 ]
 
@@ -148,7 +149,9 @@ def publish(
     try:
         with writing(f"the snapshot of step {step} ({tmp})", root.parent):
             _complete(tmp, payload, step=step, val_loss=val_loss)
-            if final.exists():  # re-saving the same step (e.g. the final snapshot): replace it
+            if final.is_symlink():  # planted: remove the link, never what it points to
+                final.unlink()
+            elif final.exists():  # re-saving the same step (e.g. the final snapshot)
                 shutil.rmtree(final)
             os.replace(tmp, final)
     finally:
