@@ -70,6 +70,7 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     assert _wait_for(lambda: len(find_snapshots(out)) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
+    assert sorted(out.rglob(".*")) == []  # no temporary file, no lock left behind
     stopped_at = int((out / "snapshots" / "LATEST").read_text().split("_")[1])
     assert 5 <= stopped_at < 60
     # 2. SIGKILL at seeded random moments of training (bounded): each restart resumes.
@@ -88,6 +89,7 @@ def test_sigterm_then_sigkill_then_resume_matches_uninterrupted(tmp_path) -> Non
     # 3. Run to the end.
     proc = _start(out)
     assert proc.wait(timeout=180) == 0, proc.stderr.read().decode()
+    assert sorted(out.rglob(".*")) == []  # what the kills left behind is gone
     # 4. The same run without interruptions, in-process.
     straight = tmp_path / "straight"
     train(dataclasses.replace(parse_train_args(ARGS), out_dir=str(straight)))
@@ -123,5 +125,6 @@ def test_crash_test_flags_resolve_over_the_smoke_preset() -> None:
     assert type(got["data.max_bytes"]) is int and type(got["model.dropout"]) is float
     assert got["model.n_layer"] == 2 != C.TrainConfig().model.n_layer
     # A later flag wins over an earlier one, and validation names the flag, value and fix.
-    with pytest.raises(C.ConfigError, match=r"^--snapshot.keep 0 is invalid: keep at least 1$"):
+    message = r"^--snapshot.keep 0 is invalid: keep at least 1; try --snapshot.keep 2$"
+    with pytest.raises(C.ConfigError, match=message):
         C.validate(parse_train_args([*ARGS, "--snapshot.keep", "0"]))

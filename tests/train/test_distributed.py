@@ -8,6 +8,7 @@ and write what they measured to JSON; each test below asserts on its part.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from isotrain.train.parallel import (
     process_group_scope,
     wrap_model,
 )
-from isotrain.train.snapshot import load_snapshot
+from isotrain.train.snapshot import SnapshotError, load_snapshot
 
 WORLD = 2
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -204,9 +205,9 @@ def test_fsdp_altered_blocks_and_sharded_snapshot_in_a_world_of_one(clean_env, t
     finally:
         torch._dynamo.reset()
     (newer / "shards" / "__0_0.distcp").write_bytes(b"truncated")
-    with pytest.raises(Exception, match="shard files missing or truncated"):
+    with pytest.raises(SnapshotError, match=r"__0_0.distcp is damaged: its checksum does not"):
         load_full_model(newer, _model())
-    assert load_snapshot(tmp_path)[1] == snap  # a damaged shard falls back to the older one
+    assert load_snapshot(tmp_path, check=None)[1] == snap  # a damaged shard: the older one
 
 
 def test_resume_layout_refusals_name_both_world_sizes() -> None:
@@ -335,7 +336,50 @@ def _check_fsdp_resume(info: DistInfo, out_dir: Path) -> dict:
         )
     dist.barrier()
     st2 = train(_fsdp_cfg(resumed))
-    return {"fsdp_steps": [st.step, st2.step]}
+    return {"fsdp_steps": [st.step, st2.step], **_check_planted_metadata(info, out_dir)}
+
+
+class _Evil:
+    """Unpickling this creates `marker`: proof that code from a snapshot ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def _check_planted_metadata(info: DistInfo, out_dir: Path) -> dict:
+    """A code-running `.metadata` in the newest snapshot (checksum recomputed): both ranks fall
+    back to the older snapshot, nothing runs, and the run ends where the straight one did."""
+    import pickle
+
+    from isotrain.train.integrity import sha256
+    from isotrain.train.loop import train
+
+    planted, marker = out_dir / "planted", out_dir / "pwned"
+    if info.is_main:
+        for name in ("step_0000003", "step_0000006"):
+            shutil.copytree(out_dir / "straight" / "snapshots" / name, planted / "snapshots" / name)
+        snap = planted / "snapshots" / "step_0000006"
+        (snap / "shards" / ".metadata").write_bytes(pickle.dumps(_Evil(marker)))
+        meta = json.loads((snap / "meta.json").read_text())
+        meta["files"]["shards/.metadata"] = sha256(snap / "shards" / ".metadata")
+        (snap / "meta.json").write_text(json.dumps(meta))
+    dist.barrier()
+    st = train(_fsdp_cfg(planted))
+    return {"planted_steps": st.step, "planted_ran_code": marker.exists()}
+
+
+def _check_lock_agreement(out_dir: Path) -> dict:
+    """The parent test process holds `locked`'s lock: rank 0 is refused, rank 1 learns it."""
+    from isotrain.train.loop import train
+
+    try:
+        train(_smoke(parallel=C.ParallelConfig(mode="ddp"), out_dir=str(out_dir / "locked")))
+    except C.ConfigError as e:
+        return {"lock_error": str(e)}
+    return {"lock_error": None}
 
 
 def _check_ddp_compile(info: DistInfo, out_dir: Path) -> dict:
@@ -372,6 +416,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res.update(_check_guard(info))
         res.update(_check_rng_per_rank(info, Path(out)))
         res.update(_check_fsdp_resume(info, Path(out)))
+        res.update(_check_lock_agreement(Path(out)))
         res.update(_check_ddp_compile(info, Path(out)))
         res["any_rank"] = [any_rank(info.rank == 1, info.device), any_rank(False, info.device)]
         res["world"] = dist.get_world_size()
@@ -384,11 +429,18 @@ def world(tmp_path_factory) -> tuple[list[dict], Path]:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("world")
-    with pytest.MonkeyPatch.context() as mpatch:
-        mpatch.setenv("OMP_NUM_THREADS", "1")
-        for v in ENV:
-            mpatch.delenv(v, raising=False)
-        mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    (out / "locked").mkdir()
+    lock = os.open(out / "locked" / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # this process is "another isotrain" training there
+    os.write(lock, f"{os.getpid()}\n".encode())
+    try:
+        with pytest.MonkeyPatch.context() as mpatch:
+            mpatch.setenv("OMP_NUM_THREADS", "1")
+            for v in ENV:
+                mpatch.delenv(v, raising=False)
+            mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    finally:
+        os.close(lock)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out
 
 
@@ -455,10 +507,36 @@ def test_fsdp_resume_equals_the_uninterrupted_run(world) -> None:
     for f in (snaps[0] / "shards").glob("*.distcp"):  # optimizer state too, byte for byte
         assert f.read_bytes() == (snaps[1] / "shards" / f.name).read_bytes(), f.name
     meta = json.loads((snaps[0] / "meta.json").read_text())
-    assert meta["world_size"] == 2 and len(meta["shard_files"]) == 3  # 2 ranks + .metadata
+    assert meta["world_size"] == 2 and sorted(meta["files"]) == [
+        "shards/.metadata",
+        "shards/__0_0.distcp",
+        "shards/__1_0.distcp",
+        "state.pt",
+    ]  # every file, checksummed
 
     def losses(run):
         return {r["step"]: r["loss"] for r in read_metrics(run) if r["kind"] == "train"}
 
     la, lb = losses(straight), losses(resumed)
     assert sorted(lb) == [4, 5, 6] and {s: la[s] for s in lb} == lb
+
+
+@pytest.mark.slow
+def test_torchrun_resume_never_runs_a_planted_pickle_and_falls_back(world) -> None:
+    results, out = world
+    assert [r["planted_steps"] for r in results] == [6, 6]
+    assert not any(r["planted_ran_code"] for r in results) and not (out / "pwned").exists()
+    snaps = [d / "snapshots" / "step_0000006" for d in (out / "straight", out / "planted")]
+    for f in (snaps[0] / "shards").glob("*.distcp"):  # steps 4-6 trained again, identically
+        assert f.read_bytes() == (snaps[1] / "shards" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.slow
+def test_under_torchrun_rank_0_locks_and_every_rank_stops(world) -> None:
+    results, out = world
+    assert results[0]["lock_error"] == (
+        f"{out / 'locked'} is in use by another isotrain process (PID {os.getpid()}); wait for "
+        "it to finish, or try another --out-dir"
+    )
+    assert results[1]["lock_error"] == f"rank 0 could not lock {out / 'locked'}; see its error"
+    assert sorted(p.name for p in (out / "locked").iterdir()) == [".lock"]  # nothing written

@@ -1,6 +1,7 @@
 """Snapshots and exact resume: N steps straight == k steps + resume for N - k, bit for bit."""
 
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -21,8 +22,8 @@ def _cfg(out, **kw) -> C.TrainConfig:
         base,
         model=dataclasses.replace(base.model, dropout=0.1),  # the RNG state matters
         data=dataclasses.replace(base.data, max_bytes=60_000),
-        snapshot=C.SnapshotConfig(every=3, keep=10),
         **{
+            "snapshot": C.SnapshotConfig(every=3, keep=10),
             "steps": 7,
             "eval_every": 2,
             "log_every": 1,
@@ -75,6 +76,13 @@ def test_resume_refuses_a_shape_change(tmp_path) -> None:
         match=r"cannot resume: --model.d-model is 64 but the snapshot was trained with 32",
     ):
         train(cfg)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32, bias=False))
+    with pytest.raises(C.ConfigError) as info:
+        train(cfg)
+    assert str(info.value) == (  # the fix is a flag the CLI accepts (not "--model.bias True")
+        "cannot resume: --model.bias is False but the snapshot was trained with True; try "
+        "--model.bias, or a new --out-dir"
+    )
 
 
 def test_auto_resume_off_refuses_a_used_directory(tmp_path) -> None:
@@ -94,7 +102,7 @@ def test_keeps_last_k_plus_best_and_pointer_written_last(tmp_path) -> None:
     names = [p.name for p in find_snapshots(tmp_path)]
     assert names == ["step_0000002", "step_0000003", "step_0000004"]
     assert (tmp_path / "snapshots" / "BEST").read_text() == "step_0000002"
-    best, _path = load_snapshot(tmp_path, which="best")
+    best, _path = load_snapshot(tmp_path, which="best", check=None)
     assert int(best["x"]) == 2
 
 
@@ -103,9 +111,9 @@ def test_corrupted_snapshot_falls_back_to_previous(tmp_path, caplog) -> None:
         save_snapshot(tmp_path, {"x": torch.tensor(step)}, step=step, keep=5)
     state = tmp_path / "snapshots" / "step_0000002" / "state.pt"
     state.write_bytes(state.read_bytes()[:-10])  # truncated write
-    payload, path = load_snapshot(tmp_path)
+    payload, path = load_snapshot(tmp_path, check=None)
     assert int(payload["x"]) == 1 and path.name == "step_0000001"
-    assert "checksum does not match" in caplog.text
+    assert "state.pt is damaged: its checksum does not match" in caplog.text
 
 
 def test_leftover_temporary_directory_is_ignored(tmp_path) -> None:
@@ -121,7 +129,7 @@ def test_snapshot_never_executes_code(tmp_path) -> None:
 
     save_snapshot(tmp_path, {"x": Evil()}, step=1)
     with pytest.raises(SnapshotError, match="every snapshot is damaged"):
-        load_snapshot(tmp_path)
+        load_snapshot(tmp_path, check=None)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -141,3 +149,137 @@ def test_safe_changes_on_resume_are_accepted_and_logged(tmp_path, caplog) -> Non
     assert state.step == 5
     assert "changed on resume: --steps: 3 -> 5" in caplog.text
     assert "changed on resume: --log-every: 1 -> 2" in caplog.text
+
+
+# ------------------------------------------------------------ untrusted pointers and files
+def _saved(run, steps=(1, 2)) -> None:
+    for step in steps:
+        save_snapshot(run, {"x": torch.tensor(step)}, step=step, keep=5)
+
+
+@pytest.mark.parametrize(
+    "latest",
+    [
+        b"../../other/snapshots/step_0000005",
+        b"ABSOLUTE",
+        b"step_0000005/../../../other/snapshots/step_0000005",
+        b"\xff\xfe\x00step",
+        b"",
+    ],
+)
+def test_latest_never_leads_out_of_the_run(tmp_path, caplog, latest) -> None:
+    run, other = tmp_path / "run", tmp_path / "other"
+    _saved(run)
+    _saved(other, (5,))
+    target = str(other / "snapshots" / "step_0000005").encode()
+    (run / "snapshots" / "LATEST").write_bytes(target if latest == b"ABSOLUTE" else latest)
+    with caplog.at_level("WARNING"):
+        payload, path = load_snapshot(run, check=None)
+    assert path == run / "snapshots" / "step_0000002" and int(payload["x"]) == 2
+    assert len(caplog.records) == 1 and "not the name of a snapshot" in caplog.text
+
+
+def test_linked_snapshots_are_refused(tmp_path, caplog) -> None:
+    run, other = tmp_path / "run", tmp_path / "other"
+    _saved(run)
+    _saved(other, (5,))
+    (run / "snapshots" / "step_0000009").symlink_to(other / "snapshots" / "step_0000005")
+    (run / "snapshots" / "LATEST").write_text("step_0000009")
+    with caplog.at_level("WARNING"):
+        assert load_snapshot(run, check=None)[1].name == "step_0000002"
+    assert "step_0000009: a link, or outside the run directory" in caplog.text
+    assert [p.name for p in find_snapshots(run)] == ["step_0000001", "step_0000002"]
+    shutil.rmtree(run / "snapshots")
+    (run / "snapshots").symlink_to(other / "snapshots")
+    with pytest.raises(SnapshotError, match="leads out of the run directory"):
+        load_snapshot(run, check=None)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [b"[]", b"null", b'"step"', b"{}", b"\xff\xfe", b'{"format_version": 2, "step": 2}'],
+)
+def test_malformed_meta_falls_back_with_one_warning(tmp_path, caplog, meta) -> None:
+    _saved(tmp_path)
+    (tmp_path / "snapshots" / "step_0000002" / "meta.json").write_bytes(meta)
+    with caplog.at_level("WARNING"):
+        assert load_snapshot(tmp_path, check=None)[1].name == "step_0000001"
+    assert len(caplog.records) == 1 and "skipping damaged snapshot" in caplog.text
+    assert "\n" not in caplog.records[0].getMessage()
+
+
+def test_a_renamed_snapshot_is_refused(tmp_path, caplog) -> None:
+    _saved(tmp_path)
+    snaps = tmp_path / "snapshots"
+    (snaps / "step_0000002").rename(snaps / "step_0000007")
+    assert load_snapshot(tmp_path, check=None)[1].name == "step_0000001"
+    assert "meta.json names step 2" in caplog.text
+
+
+def test_format_1_snapshots_still_load(tmp_path) -> None:
+    snap = tmp_path / "snapshots" / "step_0000003"
+    snap.mkdir(parents=True)
+    torch.save({"format_version": 1, "x": torch.tensor(3), "sharded": False}, snap / "state.pt")
+    from isotrain.train.integrity import sha256
+
+    meta = {"format_version": 1, "step": 3, "val_loss": None, "sha256": sha256(snap / "state.pt")}
+    (snap / "meta.json").write_text(json.dumps(meta))
+    assert int(load_snapshot(tmp_path, check=None)[0]["x"]) == 3
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A real run with snapshots at steps 1 and 2."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    train(_cfg(run, steps=2, eval_every=100, snapshot=C.SnapshotConfig(every=1, keep=5)))
+    return run
+
+
+def _rewrite_state(snap, change) -> None:
+    """Replace state.pt by `change(payload)`, with a valid checksum (a well-formed lie)."""
+    from isotrain.train.integrity import sha256
+
+    payload = torch.load(snap / "state.pt", weights_only=True)
+    torch.save(change(payload), snap / "state.pt")
+    meta = json.loads((snap / "meta.json").read_text())
+    meta["files"]["state.pt"] = sha256(snap / "state.pt")
+    (snap / "meta.json").write_text(json.dumps(meta))
+
+
+def _shape(p):
+    p["model"]["wte.weight"] = torch.zeros(3, 3)
+    return p
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p: [p],
+        lambda p: {**p, "model": None},
+        lambda p: {**p, "config": {**p["config"], "model": {**p["config"]["model"], "bias": 1}}},
+        _shape,
+        lambda p: {**p, "train_state": {**p["train_state"], "step": "2"}},
+        lambda p: {**p, "optimizer": {"state": {}, "param_groups": []}},
+    ],
+    ids=["a-list", "no-model", "bias-1", "wrong-shape", "step-str", "empty-optimizer"],
+)
+def test_well_formed_lies_in_state_pt_fall_back_on_resume(two_steps, tmp_path, caplog, change):
+    run = tmp_path / "run"
+    shutil.copytree(two_steps, run)
+    _rewrite_state(run / "snapshots" / "step_0000002", change)
+    with caplog.at_level("INFO"):
+        state = train(_cfg(run, steps=3, eval_every=100, snapshot=C.SnapshotConfig(every=1)))
+    assert state.step == 3
+    assert "skipping damaged snapshot" in caplog.text and "step_0000001 at step 1" in caplog.text
+
+
+def test_latest_of_another_run_leaves_both_runs_alone(two_steps, tmp_path, caplog) -> None:
+    run, other = tmp_path / "run", tmp_path / "other"
+    shutil.copytree(two_steps, run)
+    shutil.copytree(two_steps, other)
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    (run / "snapshots" / "LATEST").write_text("../../other/snapshots/step_0000002")
+    with caplog.at_level("INFO"):
+        train(_cfg(run, steps=3, eval_every=100, snapshot=C.SnapshotConfig(every=1, keep=5)))
+    assert f"resumed from {run / 'snapshots' / 'step_0000002'} at step 2" in caplog.text
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before

@@ -7,22 +7,73 @@ preset < `--config FILE.toml` < flags. User errors print one clear line and exit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import tyro
 
-from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml
+from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data import DataError
+from isotrain.train.rundir import WriteError
 from isotrain.train.snapshot import SnapshotError
 
 __all__ = ["main"]
 
 USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
+# Optional packages and the extra that installs each: a missing one is a user error too.
+EXTRAS = {"matplotlib": "plots", "tensorboard": "tensorboard", "safetensors": "export"}
+T = TypeVar("T")
+
+
+def _one_line(box: str) -> str:
+    """tyro's error message as one line: the title (first line), frames, rules and help
+    pointers dropped. Handles the framed (terminal) and the plain (captured) layout."""
+    lines = [
+        ln.strip().strip("│┃|").strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines()
+    ]
+    lines = [ln for ln in lines if ln and not set(ln) <= set("─━-=+╭╮╰╯ ")][1:]
+    words = []
+    for line in lines:
+        if line.startswith(("For full helptext", "Argument helptext")):
+            break
+        words.append(line)
+    return " ".join(words) or "invalid arguments"
+
+
+def parse(cls: type[T], argv: Sequence[str], prog: str, **kwargs: Any) -> T:
+    """`tyro.cli`, with a parse error turned into a one-line ConfigError (`--help` unchanged)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = tyro.cli(cls, args=list(argv), prog=prog, **kwargs)
+    except SystemExit as e:
+        if e.code:
+            reason = _one_line(captured.getvalue()).rstrip(".")
+            raise ConfigError(f"{reason}; try {prog} --help") from None
+        sys.stderr.write(captured.getvalue())
+        raise
+    sys.stderr.write(captured.getvalue())  # warnings of a successful parse
+    return args
+
+
+def check_output(option: str, path: Path, *, is_dir: bool) -> None:
+    """Refuse an output path that cannot be written: a directory where a file goes (or the
+    reverse), or a path under a file."""
+    for at in (path, *path.parents):
+        if at.exists():
+            if at == path and at.is_dir() != is_dir:
+                kind = "a directory" if at.is_dir() else "a file"
+                raise ConfigError(f"{option} {path} is {kind}; try another {option}")
+            if at != path and not at.is_dir():
+                raise ConfigError(f"{option} {path} lies under the file {at}; try another {option}")
+            return
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
@@ -38,14 +89,14 @@ def parse_train_args(argv: Sequence[str]) -> TrainConfig:
         "Train the GPT. Presets: " + ", ".join(sorted(PRESETS)) + " (--preset NAME, default "
         "tiny); --config FILE.toml overlays a TOML file; flags override both."
     )
-    return tyro.cli(TrainConfig, default=cfg, args=rest, prog="isotrain train", description=desc)
+    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=desc)
 
 
 def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import train
 
     cfg = parse_train_args(argv)
-    train(cfg)
+    train(validate(cfg))
     return 0
 
 
@@ -77,9 +128,8 @@ class SampleArgs:
 
 def cmd_sample(argv: Sequence[str]) -> int:
     from isotrain.train.sampling import check_sampling, samples
-    from isotrain.train.weights import load_with_tokenizer
 
-    a = tyro.cli(SampleArgs, args=list(argv), prog="isotrain sample")
+    a = parse(SampleArgs, argv, "isotrain sample")
     check_sampling(
         tokens=a.tokens,
         temperature=a.temperature,
@@ -93,7 +143,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         if not path.is_file():
             raise FileNotFoundError(f"--prompt-file {a.prompt_file}: no such file")
         prompt = path.read_text(encoding="utf-8")
-    model, tok = load_with_tokenizer(a.run, which=a.which)
+    model, tok = _load(a.run, a.which)
     if tok is None:
         logging.getLogger(__name__).warning("%s has no tokenizer files: text is bytes", a.run)
     texts = samples(
@@ -114,6 +164,24 @@ def cmd_sample(argv: Sequence[str]) -> int:
     return 0
 
 
+def _load(source: str, which: str) -> Any:
+    """Model and tokenizer to sample from; an unreadable export file is a user error."""
+    from safetensors import SafetensorError
+
+    from isotrain.train.weights import load_with_tokenizer
+
+    if not source.endswith(".safetensors"):
+        return load_with_tokenizer(source, which=which)
+    try:
+        return load_with_tokenizer(source, which=which)
+    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"--run {source}: not a readable isotrain export ({reason}); "
+            "try a file written by isotrain export"
+        ) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunArgs:
     """A run directory to read."""
@@ -127,7 +195,8 @@ class RunArgs:
 def cmd_plot(argv: Sequence[str]) -> int:
     from isotrain.train.plots import plot_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain plot")
+    args = parse(RunArgs, argv, "isotrain plot")
+    check_output("--out", Path(args.out or args.run), is_dir=True)
     for path in plot_run(args.run, args.out):
         sys.stdout.write(f"wrote {path}\n")
     return 0
@@ -139,7 +208,7 @@ def cmd_report(argv: Sequence[str]) -> int:
 
     from isotrain.train.plots import summarize_run
 
-    args = tyro.cli(RunArgs, args=list(argv), prog="isotrain report")
+    args = parse(RunArgs, argv, "isotrain report")
     table = Table(title=f"isotrain report: {args.run}", show_header=False)
     for key, value in summarize_run(args.run).items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -166,9 +235,11 @@ class ExportArgs:
 def cmd_export(argv: Sequence[str]) -> int:
     from isotrain.train.export import export_run
 
-    a = tyro.cli(ExportArgs, args=list(argv), prog="isotrain export")
-    default = f"{a.run}/hf" if a.format == "hf" else f"{a.run}/model.safetensors"
-    out, snap = export_run(a.run, a.out or default, which=a.which, fmt=a.format)
+    a = parse(ExportArgs, argv, "isotrain export")
+    hf = a.format == "hf"
+    target = Path(a.out or (f"{a.run}/hf" if hf else f"{a.run}/model.safetensors"))
+    check_output("--out", target, is_dir=hf)
+    out, snap = export_run(a.run, target, which=a.which, fmt=a.format)
     sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
     return 0
 
@@ -248,4 +319,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except USER_ERRORS as e:
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        return 2
+    except WriteError as e:  # the machine, not the command: exit 1
+        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        return 1
+    except ImportError as e:
+        extra = EXTRAS.get((e.name or getattr(e.__cause__, "name", None) or "").split(".")[0])
+        if extra is None:
+            raise
+        fix = "" if "pip install" in str(e) else f"; try pip install 'isotrain[{extra}]'"
+        sys.stderr.write(f"isotrain {argv[0]}: error: {e}{fix}\n")
         return 2

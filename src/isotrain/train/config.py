@@ -7,14 +7,17 @@ flag (`--model.d-model 256`). Precedence: preset < TOML file < flags. `validate`
 
 from __future__ import annotations
 
-import dataclasses
+import operator
 import sys
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from isotrain.checkpointing import parse_policy
+from isotrain.train.environment import check_device, check_directory, check_extra
+from isotrain.train.fields import ConfigError, check_types, flag, flag_value, overlay
 from isotrain.train.model import GPTConfig
 
 if sys.version_info >= (3, 11):
@@ -41,10 +44,6 @@ __all__ = [
     "validate",
     "validate_inputs",
 ]
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the flag, the value and the fix."""
 
 
 # The model section of the config is the model's own config: one definition, one set of help.
@@ -259,109 +258,141 @@ def _smoke() -> TrainConfig:
 PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": _tiny, "small": _small, "smoke": _smoke}
 
 
-def flag(path: str) -> str:
-    """The CLI flag for a dotted field path: `model.d_model` -> `--model.d-model`."""
-    return "--" + path.replace("_", "-")
-
-
-def _replace_nested(obj: Any, updates: dict[str, Any], prefix: str) -> Any:
-    """Return a copy of dataclass `obj` with `updates` applied, recursing into sections."""
-    names = {f.name: f for f in dataclasses.fields(obj)}
-    changes: dict[str, Any] = {}
-    for key, value in updates.items():
-        name = key.replace("-", "_")
-        if name not in names:
-            raise ConfigError(f"unknown setting '{prefix}{key}' in the TOML file; see --help")
-        current = getattr(obj, name)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"'{prefix}{key}' is a section: write it as [{prefix}{key}]")
-            changes[name] = _replace_nested(current, value, f"{prefix}{name}.")
-        else:
-            changes[name] = tuple(value) if isinstance(value, list) else value
-    return dataclasses.replace(obj, **changes)
-
-
 def apply_toml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
     """Overlay a TOML file (sections named like the flags: [model], [optim], ...) on `cfg`."""
-    p = Path(path)
+    p, source = Path(path), f"--config {path}"
     if not p.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise ConfigError(f"{source}: no such file; try the path of a TOML file")
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{source}: not UTF-8 text (byte {e.start}); try saving it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"--config {path}: not valid TOML ({e})") from e
-    return _replace_nested(cfg, data, "")
+        raise ConfigError(f"{source}: not valid TOML ({e}); try fixing that line") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read it ({e.strerror}); try another file") from None
+    return typing.cast(TrainConfig, overlay(cfg, data, "", source))
 
 
-def _check(ok: bool, path: str, value: Any, fix: str) -> None:
+def _positive(v: Any) -> bool:
+    return bool(v > 0)
+
+
+def _at_least_0(v: Any) -> bool:
+    return bool(v >= 0)
+
+
+def _unit(v: Any) -> bool:
+    return bool(0.0 <= v < 1.0)
+
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+# Each field's own range: dotted path -> (accepts the value, the rule in words).
+RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool], str, str]] = {
+    **dict.fromkeys(
+        (
+            *("model.n_layer", "model.n_head", "model.d_model", "model.block_size"),
+            *("model.vocab_size", "data.batch_size", "data.max_bytes", "steps", "grad_accum"),
+            *("eval_every", "eval_batches", "log_every"),
+            *("guard.rollback_check_every", "guard.rollback_copy_every"),
+        ),
+        (_positive, "it must be a positive integer"),
+    ),
+    **dict.fromkeys(
+        ("optim.warmup_steps", "optim.weight_decay", "sample_tokens", "snapshot.every"),
+        (_at_least_0, "use 0 or more"),
+    ),
+    **dict.fromkeys(
+        ("guard.rollback_after", "guard.spike_k"), (_at_least_0, "use 0 (off) or more")
+    ),
+    **dict.fromkeys(("model.dropout", "optim.beta1", "optim.beta2"), (_unit, "use [0, 1)")),
+    "data.val_fraction": (lambda v: 0.0 < v < 1.0, "use a value in (0, 1)"),
+    "optim.lr": (_positive, "the learning rate must be positive"),
+    "optim.grad_clip": (_at_least_0, "use 0 (off) or a positive norm"),
+    "snapshot.keep": (lambda v: v >= 1, "keep at least 1"),
+    "quant.bits": (lambda v: 0 <= v <= 16, "use 0 (off) or 1..16"),
+    "guard.spike_window": (lambda v: v >= 2, "use 2 or more"),
+    "guard.inject_nan_at": (
+        lambda v: all(s >= 1 for s in v),
+        "steps are numbered from 1",
+        "--guard.inject-nan-at 3 (or leave it out)",
+    ),
+    "seed": (lambda v: 0 <= v < 2**63, "use 0 to 2**63 - 1"),
+    "compile.mode": (lambda v: v in COMPILE_MODES, f"use one of {COMPILE_MODES[1:]}"),
+}
+
+
+def _check(ok: bool, path: str, value: Any, rule: str, fix: str | None = None) -> None:
+    """Raise `--flag VALUE is invalid: RULE; try FIX` (FIX: the flag with its default)."""
     if not ok:
-        raise ConfigError(f"{flag(path)} {value!r} is invalid: {fix}")
+        fix = fix or flag_value(path, operator.attrgetter(path)(TrainConfig()))
+        raise ConfigError(f"{flag_value(path, value)} is invalid: {rule}; try {fix}")
 
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Check every field that can be wrong on its own or in combination; return cfg unchanged."""
+def _check_relations(cfg: TrainConfig) -> None:
+    """Rules that tie one field to another."""
     m, d, o = cfg.model, cfg.data, cfg.optim
-    for path, value in [
-        ("model.n_layer", m.n_layer),
-        ("model.n_head", m.n_head),
-        ("model.d_model", m.d_model),
-        ("model.block_size", m.block_size),
-        ("model.vocab_size", m.vocab_size),
-        ("data.batch_size", d.batch_size),
-        ("data.max_bytes", d.max_bytes),
-        ("steps", cfg.steps),
-        ("grad_accum", cfg.grad_accum),
-        ("eval_every", cfg.eval_every),
-        ("eval_batches", cfg.eval_batches),
-        ("log_every", cfg.log_every),
-    ]:
-        _check(value > 0, path, value, "it must be a positive integer")
     _check(
         m.d_model % m.n_head == 0,
         "model.d_model",
         m.d_model,
-        f"it must be divisible by --model.n-head ({m.n_head}); try {m.n_head * 32}",
+        f"it must be divisible by --model.n-head ({m.n_head})",
+        f"--model.d-model {m.n_head * 32}",
     )
-    _check(0.0 <= m.dropout < 1.0, "model.dropout", m.dropout, "use a value in [0, 1)")
-    _check(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "use (0, 1)")
-    _check(o.lr > 0, "optim.lr", o.lr, "the learning rate must be positive")
-    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", o.min_lr, "use 0 <= min_lr <= lr")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "use 0 or more")
-    _check(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "use 0 or more")
-    _check(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "use 0 (off) or a positive norm")
-    for path, beta in [("optim.beta1", o.beta1), ("optim.beta2", o.beta2)]:
-        _check(0.0 <= beta < 1.0, path, beta, "use a value in [0, 1)")
-    _check(cfg.sample_tokens >= 0, "sample_tokens", cfg.sample_tokens, "use 0 or more")
-    _check(cfg.snapshot.every >= 0, "snapshot.every", cfg.snapshot.every, "use 0 or more")
-    _check(cfg.snapshot.keep >= 1, "snapshot.keep", cfg.snapshot.keep, "keep at least 1")
+    _check(
+        o.min_lr <= o.lr,
+        "optim.min_lr",
+        o.min_lr,
+        "use 0 <= min_lr <= lr",
+        f"--optim.min-lr {o.lr / 10:g}",
+    )
     _check(
         all(0 < b <= m.block_size for b in d.buckets),
         "data.buckets",
         d.buckets,
         f"every bucket must be in 1..--model.block-size ({m.block_size})",
+        f"--data.buckets {m.block_size // 2} {m.block_size}",
     )
     _check(
         list(d.buckets) == sorted(set(d.buckets)),
         "data.buckets",
         d.buckets,
         "list the lengths in increasing order, without repeats",
+        flag_value("data.buckets", sorted(set(d.buckets))),
     )
     try:
         parse_policy(cfg.checkpointing.policy)
     except ValueError as e:
-        raise ConfigError(f"--checkpointing.policy {cfg.checkpointing.policy!r}: {e}") from e
-    _check(0 <= cfg.quant.bits <= 16, "quant.bits", cfg.quant.bits, "use 0 (off) or 1..16")
-    _check(cfg.guard.spike_k >= 0, "guard.spike_k", cfg.guard.spike_k, "use 0 (off) or > 0")
-    _check(cfg.guard.spike_window >= 2, "guard.spike_window", cfg.guard.spike_window, "use >= 2")
-    g = cfg.guard
-    _check(g.rollback_after >= 0, "guard.rollback_after", g.rollback_after, "use 0 (off) or more")
-    for path, value in [
-        ("guard.rollback_check_every", g.rollback_check_every),
-        ("guard.rollback_copy_every", g.rollback_copy_every),
-    ]:
-        _check(value > 0, path, value, "it must be a positive integer")
+        raise ConfigError(
+            f"--checkpointing.policy {cfg.checkpointing.policy!r} is invalid: {e}; "
+            "try --checkpointing.policy full"
+        ) from None
+
+
+def _check_environment(cfg: TrainConfig) -> None:
+    """What the machine must offer: the device, the run directory, optional packages."""
+    check_device(cfg.device)
+    check_directory("--out-dir", cfg.out_dir)
+    check_directory("--resume", cfg.resume)
+    if cfg.report.tensorboard:
+        check_extra("tensorboard", "--report.tensorboard", "tensorboard")
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check every field that can be wrong on its own or in combination; return cfg unchanged.
+
+    Types come from the annotations (`fields.check_types`), ranges from `RULES`.
+    """
+    check_types(cfg)
+    for path, (ok, rule, *fix) in RULES.items():
+        value = operator.attrgetter(path)(cfg)
+        _check(ok(value), path, value, rule, *fix)
+    _check_relations(cfg)
     validate_inputs(cfg)
+    _check_environment(cfg)
     return cfg
 
 

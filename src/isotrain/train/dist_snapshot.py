@@ -8,9 +8,11 @@ directory and moves LATEST, exactly as `snapshot.py` does for one process::
 
     RUN/snapshots/step_0000400/shards/     DCP files: .metadata, __0_0.distcp, __1_0.distcp, ...
     RUN/snapshots/step_0000400/state.pt    counters, updater, per-rank RNG, config (no weights)
-    RUN/snapshots/step_0000400/meta.json   as snapshot.py, plus the shard files and their sizes
+    RUN/snapshots/step_0000400/meta.json   as snapshot.py: the sha256 of every file, shards too
 
 All ranks must see the run directory (one node, or a shared filesystem across nodes).
+Loading verifies every shard against the manifest and reads DCP's metadata and non-tensor
+items without running code (`safe_dcp.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.train.config import ConfigError
-from isotrain.train.snapshot import SHARDS, check_shard_files, publish, temp_dir
+from isotrain.train.integrity import SnapshotError, one_line
+from isotrain.train.rundir import write_error, writing
+from isotrain.train.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
 
 __all__ = [
     "SHARDS",
@@ -104,22 +108,31 @@ def save_sharded(
 
     `payload` is what rank 0 stores beside the shards (model and optimizer go to the shards).
     """
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.checkpoint.state_dict_saver import save
 
     rank, world = _world()
-    root = Path(run_dir) / "snapshots"
+    root = snapshots_dir(run_dir)
     token = [os.getpid()]  # rank 0 names the temporary directory that every rank writes into
     if world > 1:
         dist.broadcast_object_list(token, src=0)
     tmp = temp_dir(root, step, token[0])
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        with writing(tmp, run_dir):
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDS)
+    try:  # DCP agrees on failures across ranks: every rank raises if one could not write
+        save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDS)
+    except CheckpointException as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(
+            f"the shards of step {step} ({tmp / SHARDS})", one_line(e), run_dir
+        ) from None
     barrier()  # every rank's shards are on disk before rank 0 publishes the directory
     if rank == 0:
         publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
@@ -133,15 +146,29 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _load_dcp(path: str | Path, state: dict[str, Any], *, no_dist: bool = False) -> None:
+    """Fill `state` from the verified shards of snapshot `path`; SnapshotError if they do not
+    fit (DCP gathers failures, so every rank raises together)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    from isotrain.train.safe_dcp import SafeLoadPlanner, SafeReader
+
+    shards, metadata = open_shards(path)
+    reader = SafeReader(shards, metadata)
+    try:
+        load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as e:
+        raise SnapshotError(f"{path}: its shards do not load ({one_line(e)})") from None
+
+
 def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load an FSDP2 snapshot's shards into the sharded `model` and `optimizer` (collective)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load
 
-    shards = check_shard_files(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # templates with this run's sharding
     state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-    load(state, checkpoint_id=shards)
+    _load_dcp(path, state)
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
@@ -154,12 +181,9 @@ def load_full_model(path: str | Path, model: nn.Module) -> nn.Module:
 
         model = load_full_model("runs/x/snapshots/step_0000400", build_model(cfg))
     """
-    from torch.distributed.checkpoint.state_dict_loader import load
-
-    shards = check_shard_files(path)
     sd = model.state_dict()
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        load({"model": sd}, checkpoint_id=shards, no_dist=True)  # reads every rank's shards
+        _load_dcp(path, {"model": sd}, no_dist=True)  # reads every rank's shards
     model.load_state_dict(sd)
     return model

@@ -35,6 +35,7 @@ from isotrain.train.parallel import (
 )
 from isotrain.train.report import MetricsWriter, Reporter
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
+from isotrain.train.rundir import lock_run
 from isotrain.train.sampling import sample
 from isotrain.train.snapshot import find_snapshots
 from isotrain.train.state import Batches, Run, TrainState, bucket_lengths
@@ -154,11 +155,16 @@ def _loss_line(run: Run, val: float, baseline: float) -> str:
     )
 
 
-def start(cfg: TrainConfig) -> Run:
-    """Setup, then resume when the run directory holds a snapshot (or `--resume` asks)."""
+def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+    """Setup, then resume when the run directory holds a snapshot (or `--resume` asks).
+
+    With `lock`, the run directory's lock is taken first and held until that stack closes.
+    """
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
     run = setup(cfg)
+    if lock is not None:
+        lock.enter_context(lock_run(cfg.out_dir, run.dist))
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(
@@ -172,8 +178,13 @@ def start(cfg: TrainConfig) -> Run:
 
 def train(cfg: TrainConfig) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log."""
-    with process_group_scope(), rng_isolated(seed=cfg.seed), stop_on_signals() as stop:
-        run = start(cfg)
+    with (
+        process_group_scope(),
+        rng_isolated(seed=cfg.seed),
+        stop_on_signals() as stop,
+        contextlib.ExitStack() as held,
+    ):
+        run = start(cfg, lock=held)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         out, tb = Path(cfg.out_dir), cfg.report.tensorboard
         baseline = data_mod.unigram_entropy(run.batches.corpus)

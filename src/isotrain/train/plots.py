@@ -12,12 +12,16 @@ __all__ = ["plot_run", "summarize_run"]
 
 
 def _num(value: Any) -> float:
-    """Metrics store NaN/Inf as strings (JSON has none); turn them back into floats."""
-    return float(value) if value is not None else math.nan
+    """Metrics store NaN/Inf as strings (JSON has none); turn them back into floats (anything
+    that is not a number, from a damaged file, becomes NaN)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
-    rows = [r for r in records if r["kind"] == kind and key in r]
+    rows = [r for r in records if r["kind"] == kind and key in r and isinstance(r.get("step"), int)]
     return [r["step"] for r in rows], [_num(r[key]) for r in rows]
 
 
@@ -29,7 +33,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plots need matplotlib: pip install 'isotrain[plots]'") from e
+        raise ImportError(
+            "plots need matplotlib, which is not installed; try pip install 'isotrain[plots]'"
+        ) from e
     records = read_metrics(run_dir)
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,11 +50,11 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(records, "train", "loss"), label="train loss")
     ax.plot(*_series(records, "eval", "val_loss"), "o-", label="val loss")
-    skipped = [r["step"] for r in records if r["kind"] == "train" and r.get("applied") is False]
-    for i, step in enumerate(skipped):
+    skipped = [r.get("step") for r in records if r["kind"] == "train" and r.get("applied") is False]
+    for i, step in enumerate(s for s in skipped if isinstance(s, int)):
         ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped step" if i == 0 else None)
-    base = [r["unigram_baseline"] for r in records if r["kind"] == "eval"]
-    if base:
+    base = [_num(r.get("unigram_baseline")) for r in records if r["kind"] == "eval"]
+    if base and math.isfinite(base[-1]):
         ax.axhline(base[-1], color="gray", ls="--", label="unigram baseline")
     ax.set(xlabel="step", ylabel="nats per token", title="loss")
     ax.legend()
@@ -74,18 +80,19 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
     configs = [r for r in records if r["kind"] == "config"]
     train = [r for r in records if r["kind"] == "train"]
     evals = [r for r in records if r["kind"] == "eval"]
-    cfg = configs[-1]["config"] if configs else {}
-    model = cfg.get("model", {})
-    tps = sorted(_num(r["tokens_per_s"]) for r in train[1:] or train)
+    cfg = configs[-1].get("config") if configs else None
+    model = cfg.get("model") if isinstance(cfg, dict) else None
+    model = model if isinstance(model, dict) else {}
+    tps = sorted(_num(r.get("tokens_per_s")) for r in train[1:] or train)
     out: dict[str, Any] = {
         "run": str(run_dir),
         "model": f"{model.get('n_layer')} layers, d_model {model.get('d_model')}, "
         f"block {model.get('block_size')}",
-        "steps": train[-1]["step"] if train else 0,
-        "last_train_loss": _num(train[-1]["loss"]) if train else math.nan,
-        "last_val_loss": _num(evals[-1]["val_loss"]) if evals else math.nan,
-        "best_val_loss": min((_num(r["val_loss"]) for r in evals), default=math.nan),
-        "unigram_baseline": _num(evals[-1]["unigram_baseline"]) if evals else math.nan,
+        "steps": train[-1].get("step") if train else 0,
+        "last_train_loss": _num(train[-1].get("loss")) if train else math.nan,
+        "last_val_loss": _num(evals[-1].get("val_loss")) if evals else math.nan,
+        "best_val_loss": min((_num(r.get("val_loss")) for r in evals), default=math.nan),
+        "unigram_baseline": _num(evals[-1].get("unigram_baseline")) if evals else math.nan,
         "median_tokens_per_s": tps[len(tps) // 2] if tps else math.nan,
         "skipped_steps": train[-1].get("skipped_total", 0) if train else 0,
         "resumes": max(len(configs) - 1, 0),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -20,9 +21,13 @@ from rich.progress import (
 )
 from rich.table import Table
 
-__all__ = ["MetricsWriter", "Reporter", "read_metrics"]
+from isotrain.train.rundir import append_line, writing
+
+__all__ = ["MetricsWriter", "Reporter", "metric_lines", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
+
+log = logging.getLogger(__name__)
 
 
 def _clean(value: Any) -> Any:
@@ -43,7 +48,8 @@ class MetricsWriter:
         self.enabled = enabled
         self.tb = None
         if enabled:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            with writing(run_dir, run_dir):
+                run_dir.mkdir(parents=True, exist_ok=True)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -54,12 +60,13 @@ class MetricsWriter:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, kind: str, **fields: Any) -> None:
-        """Append one record and flush, so a killed run keeps every record written."""
+        """Append one record as one whole line, so a killed run keeps every record written
+        and a full disk never leaves half of one (a WriteError says what happened)."""
         if not self.enabled:
             return
         record = {"kind": kind, "time": time.time(), **{k: _clean(v) for k, v in fields.items()}}
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        with writing(self.path, self.path.parent):
+            append_line(self.path, json.dumps(record))
         if self.tb is not None and "step" in fields:
             for key, value in fields.items():
                 if (
@@ -76,12 +83,35 @@ class MetricsWriter:
             self.tb.close()
 
 
+def metric_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], int]:
+    """(line, record) for each readable record of a metrics file, and the number of lines
+    that are not one (a write cut short by a crash or a full disk)."""
+    good, bad = [], 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("kind"), str):
+            good.append((line, record))
+        else:
+            bad += 1
+    return good, bad
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All records of a run's metrics file, in order."""
+    """All readable records of a run's metrics file, in order (unreadable lines: one warning)."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics file; is {run_dir} a run directory?")
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+        raise FileNotFoundError(
+            f"{path}: no metrics file; try the --out-dir of an isotrain train run"
+        )
+    lines, bad = metric_lines(path)
+    if bad:
+        log.warning("%s: skipped %d unreadable line(s), cut short by a crash?", path, bad)
+    return [record for _, record in lines]
 
 
 class Reporter:

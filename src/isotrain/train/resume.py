@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -25,9 +25,12 @@ from isotrain.train.dist_snapshot import (
     rank_rng_state,
     save_sharded,
 )
-from isotrain.train.report import METRICS_FILE
+from isotrain.train.fields import flag_value, hints, matches
+from isotrain.train.integrity import SnapshotError, check_payload, one_line
+from isotrain.train.report import METRICS_FILE, metric_lines
+from isotrain.train.rundir import writing
 from isotrain.train.snapshot import find_snapshots, load_snapshot, save_snapshot
-from isotrain.train.state import Run
+from isotrain.train.state import Run, TrainState
 
 __all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]
 
@@ -76,7 +79,7 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
         if old != new:
             raise ConfigError(
                 f"cannot resume: {flag('model.' + name)} is {new!r} but the snapshot was "
-                f"trained with {old!r}; pass {flag('model.' + name)} {old!r} or a new --out-dir"
+                f"trained with {old!r}; try {flag_value('model.' + name, old)}, or a new --out-dir"
             )
     return _diff(saved, dataclasses.asdict(cfg), "")
 
@@ -95,16 +98,65 @@ def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
-    """Drop records a crashed run wrote after the snapshot it resumes from."""
+    """Drop records a crashed run wrote after the snapshot it resumes from, and any line a
+    crash or a full disk cut short."""
     path = run_dir / METRICS_FILE
+    for stale in run_dir.glob(f".{METRICS_FILE}.tmp*"):  # a rewrite a crash cut short
+        stale.unlink(missing_ok=True)
     if not path.is_file():
         return
-    keep = [
-        ln for ln in path.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step
-    ]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(ln + "\n" for ln in keep))
-    tmp.replace(path)
+    lines, torn = metric_lines(path)
+    keep = [ln for ln, rec in lines if _at_or_before(rec.get("step", 0), step)]
+    if torn:
+        log.warning("%s: dropped %d unreadable line(s), cut short by a crash", path, torn)
+    if torn or len(keep) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+        try:
+            with writing(path, run_dir):
+                tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
+                tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+def _at_or_before(value: Any, step: int) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value <= step
+
+
+def _restore_state(state: TrainState, saved: dict[str, Any], path: Path) -> None:
+    """Set the counters from a snapshot, after checking they are the counters of its step."""
+    types = hints(TrainState)
+    if set(saved) != set(types) or not all(matches(saved[k], types[k]) for k in types):
+        raise SnapshotError(f"{path}: state.pt holds no valid train_state")
+    if saved["step"] != int(path.name.removeprefix("step_")):
+        raise SnapshotError(f"{path}: state.pt is of step {saved['step']}, not of {path.name}")
+    for key, value in saved.items():
+        setattr(state, key, value)
+
+
+def _restore(run: Run, payload: dict[str, Any], path: Path) -> list[str]:
+    """Load a verified snapshot into `run`; returns the settings that changed. A config that
+    cannot continue raises ConfigError; a payload that does not fit raises SnapshotError
+    (`load_snapshot` then falls back to the previous snapshot)."""
+    check_payload(payload, path)
+    changes = check_compatible(payload["config"], run.cfg)
+    check_layout(payload, path, mode=run.cfg.parallel.mode, world_size=run.dist.world_size)
+    try:
+        if payload.get("sharded"):
+            load_sharded(path, run.model, run.optimizer)
+        else:
+            run.model.load_state_dict(payload["model"])
+            run.optimizer.load_state_dict(payload["optimizer"])
+        run.updater.load_state_dict(payload["updater"])
+        restore_rng_state(rank_rng_state(payload, run.dist.rank))
+    except (ConfigError, SnapshotError):
+        raise
+    except (RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+        raise SnapshotError(
+            f"{path}: state.pt does not fit this run ({type(e).__name__}: {one_line(e)})"
+        ) from None
+    _restore_state(run.state, payload["train_state"], path)
+    return changes
 
 
 def maybe_resume(run: Run, *, required: bool) -> bool:
@@ -112,23 +164,20 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
     out = Path(run.cfg.out_dir)
     if not find_snapshots(out):
         if required:
-            raise ConfigError(f"--resume {out}: no snapshot there to resume from")
+            raise ConfigError(
+                f"--resume {out}: no snapshot there to resume from; try --out-dir {out} to "
+                "start a run there"
+            )
         if run.dist.is_main and (out / METRICS_FILE).is_file():
             log.warning("%s holds metrics but no snapshot: starting over", out)
             _truncate_metrics(out, -1)
         return False
-    payload, path = load_snapshot(out)
-    changes = check_compatible(payload["config"], run.cfg)
-    check_layout(payload, path, mode=run.cfg.parallel.mode, world_size=run.dist.world_size)
-    if payload.get("sharded"):
-        load_sharded(path, run.model, run.optimizer)
-    else:
-        run.model.load_state_dict(payload["model"])
-        run.optimizer.load_state_dict(payload["optimizer"])
-    run.updater.load_state_dict(payload["updater"])
-    for key, value in payload["train_state"].items():
-        setattr(run.state, key, value)
-    restore_rng_state(rank_rng_state(payload, run.dist.rank))
+    changes: list[str] = []
+
+    def restore(payload: dict[str, Any], path: Path) -> None:
+        changes[:] = _restore(run, payload, path)
+
+    payload, path = load_snapshot(out, check=restore)
     if payload.get("world_size", 1) != run.dist.world_size:
         log.warning(
             "resuming a snapshot of %s ranks with %d: batches and random streams differ from "

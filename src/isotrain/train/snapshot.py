@@ -2,47 +2,62 @@
 
 Layout of a run directory::
 
-    RUN/snapshots/step_000400/state.pt   tensors and plain data (torch.load weights_only=True)
-    RUN/snapshots/step_000400/meta.json  step, val loss, sha256 of state.pt, format version
+    RUN/snapshots/step_0000400/state.pt   tensors and plain data (torch.load weights_only=True)
+    RUN/snapshots/step_0000400/meta.json  step, val loss, format version, sha256 of every file
     RUN/snapshots/LATEST                 name of the newest complete snapshot, written last
     RUN/snapshots/BEST                   name of the best-validation snapshot
 
 A snapshot directory is written under a temporary name, fsynced, then renamed: a crash at
 any moment leaves either the old set of snapshots or the new one, never a half-written one
-under a real name. (Called "snapshot" so it never collides with activation checkpointing.)
+under a real name. Loading treats the directory as untrusted (`integrity.py`): a damaged,
+altered or malformed snapshot is reported in one warning line and the previous one is used.
+(Called "snapshot" so it never collides with activation checkpointing.)
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from isotrain.train.integrity import (
+    SNAPSHOT_NAME,
+    SnapshotError,
+    check_payload,
+    contained,
+    manifest,
+    one_line,
+    read_meta,
+    read_pointer,
+    sha256,
+    verify_files,
+)
+from isotrain.train.rundir import writing
 
 __all__ = [
     "FORMAT_VERSION",
     "SnapshotError",
     "find_snapshots",
     "load_snapshot",
+    "open_shards",
     "publish",
     "save_snapshot",
+    "snapshots_dir",
     "temp_dir",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json lists the sha256 of every file (1: of state.pt only)
 SHARDS = "shards"  # the DCP directory inside an FSDP snapshot
 
 log = logging.getLogger(__name__)
 
-
-class SnapshotError(RuntimeError):
-    """No usable snapshot: the message says which were tried and why they failed."""
+Check = Callable[[dict[str, Any], Path], None]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -54,22 +69,25 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file through a temporary name and a rename."""
+    """Write a small file through a temporary name and a rename (the temporary never stays)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+def snapshots_dir(run_dir: str | Path) -> Path:
+    """RUN/snapshots, refused when it is a link leading out of the run directory."""
+    root = Path(run_dir) / "snapshots"
+    if root.exists() and not contained(root, Path(run_dir)):
+        raise SnapshotError(f"{root} leads out of the run directory; refusing to use it")
+    return root
 
 
 def save_snapshot(
@@ -81,11 +99,12 @@ def save_snapshot(
     keep: int = 2,
 ) -> Path:
     """Write `payload` as the snapshot of `step`; update LATEST (and BEST); prune old ones."""
-    root = Path(run_dir) / "snapshots"
-    root.mkdir(parents=True, exist_ok=True)
+    root = snapshots_dir(run_dir)
     tmp = temp_dir(root, step, os.getpid())
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with writing(tmp, run_dir):
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     return publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
 
 
@@ -94,137 +113,171 @@ def temp_dir(root: Path, step: int, token: int) -> Path:
     return root / f".tmp_step_{step:07d}_{token}"
 
 
-def publish(
-    tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None, keep: int
-) -> Path:
-    """Complete the snapshot in `tmp` (state.pt, meta.json), rename it, move the pointers.
-
-    `tmp` may already hold FSDP shards (`shards/`): they are listed in meta.json with sizes.
-    Returns the final directory.
-    """
-    root, name = tmp.parent, f"step_{step:07d}"
-    final = root / name
+def _complete(tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None) -> None:
+    """Write state.pt and meta.json (with the sha256 of every file, shards included)."""
     sharded = (tmp / SHARDS).is_dir()
     with (tmp / "state.pt").open("wb") as f:
         torch.save({"format_version": FORMAT_VERSION, **payload, "sharded": sharded}, f)
         f.flush()
         os.fsync(f.fileno())
-    meta: dict[str, Any] = {
+    files = {"state.pt": sha256(tmp / "state.pt")}
+    if sharded:
+        shards = sorted(p for p in (tmp / SHARDS).iterdir() if p.is_file())
+        files.update({f"{SHARDS}/{p.name}": sha256(p) for p in shards})
+        _fsync_dir(tmp / SHARDS)
+    meta = {
         "format_version": FORMAT_VERSION,
         "step": step,
         "val_loss": val_loss,
-        "sha256": _sha256(tmp / "state.pt"),
+        "sharded": sharded,
+        "world_size": payload.get("world_size", 1),
+        "files": files,
     }
-    if sharded:
-        shards = tmp / SHARDS
-        files = {p.name: p.stat().st_size for p in sorted(shards.iterdir()) if p.is_file()}
-        meta.update(sharded=True, world_size=payload.get("world_size"), shard_files=files)
-        _fsync_dir(shards)
     _write_atomic(tmp / "meta.json", json.dumps(meta).encode())
-    if final.exists():  # re-saving the same step (e.g. the final snapshot): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    _write_atomic(root / "LATEST", name.encode())
-    best = _read_pointer(root / "BEST")
-    best_loss = _meta(root / best).get("val_loss") if best and (root / best).exists() else None
-    if val_loss is not None and (best_loss is None or val_loss <= best_loss):
-        _write_atomic(root / "BEST", name.encode())
-    _prune(root, keep)
+
+
+def publish(
+    tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None, keep: int
+) -> Path:
+    """Complete the snapshot in `tmp` (state.pt, meta.json), rename it, move the pointers.
+
+    `tmp` may already hold FSDP shards (`shards/`). Returns the final directory. A failed
+    write raises `WriteError` and leaves no temporary behind.
+    """
+    root, name = tmp.parent, f"step_{step:07d}"
+    final = root / name
+    try:
+        with writing(f"the snapshot of step {step} ({tmp})", root.parent):
+            _complete(tmp, payload, step=step, val_loss=val_loss)
+            if final.is_symlink():  # planted: remove the link, never what it points to
+                final.unlink()
+            elif final.exists():  # re-saving the same step (e.g. the final snapshot)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    with writing(f"the pointers of {root}", root.parent):
+        _fsync_dir(root)
+        _write_atomic(root / "LATEST", name.encode())
+        best = read_pointer(root / "BEST")
+        best_loss = _val_loss(root / best) if best else None
+        if val_loss is not None and (best_loss is None or val_loss <= best_loss):
+            _write_atomic(root / "BEST", name.encode())
+        _prune(root, keep)
     return final
 
 
-def _read_pointer(path: Path) -> str | None:
-    return path.read_text().strip() if path.is_file() else None
-
-
-def _meta(snap: Path) -> dict[str, Any]:
-    return json.loads((snap / "meta.json").read_text())
+def _val_loss(snap: Path) -> float | None:
+    """The validation loss meta.json records, if it is readable and a number."""
+    try:
+        value = read_meta(snap).get("val_loss")
+    except SnapshotError:
+        return None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` snapshots and the best one; remove the rest and stale temps."""
-    protected = {_read_pointer(root / "BEST"), _read_pointer(root / "LATEST")}
-    snaps = find_snapshots(root.parent)
-    for snap in snaps[:-keep]:
+    """Keep the newest `keep` snapshots and the best one; remove the rest and every leftover
+    temporary (the run directory's lock makes this process its only writer)."""
+    protected = {read_pointer(root / "BEST"), read_pointer(root / "LATEST")}
+    for snap in find_snapshots(root.parent)[:-keep]:
         if snap.name not in protected:
             shutil.rmtree(snap, ignore_errors=True)
-    for stale in root.glob(".tmp_*"):
-        if not stale.name.endswith(f"_{os.getpid()}"):
+    for stale in [*root.glob(".tmp_*"), *root.glob(".*.tmp*")]:
+        if stale.is_dir() and not stale.is_symlink():
             shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
+def _step(snap: Path) -> int:
+    return int(snap.name.removeprefix("step_"))
 
 
 def find_snapshots(run_dir: str | Path) -> list[Path]:
-    """Complete snapshot directories of a run, oldest first."""
-    root = Path(run_dir) / "snapshots"
+    """Complete snapshot directories of a run (not links), oldest first."""
+    root = snapshots_dir(run_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
-
-
-def check_shard_files(snap: str | Path, meta: dict[str, Any] | None = None) -> Path:
-    """The shard directory of FSDP snapshot `snap`, after checking every listed file is whole.
-
-    `meta` is the snapshot's meta.json, read here when not given.
-    """
-    snap = Path(snap)
-    shards = snap / SHARDS
-    expected = (meta if meta is not None else _meta(snap)).get("shard_files") or {}
-    bad = [
-        n
-        for n, size in expected.items()
-        if not (shards / n).is_file() or (shards / n).stat().st_size != size
+    found = [
+        p
+        for p in root.glob("step_*")
+        if SNAPSHOT_NAME.fullmatch(p.name) and not p.is_symlink() and (p / "meta.json").is_file()
     ]
-    if not expected or bad:
-        raise SnapshotError(
-            f"{snap}: FSDP shard files missing or truncated ({', '.join(bad) or 'none listed'})"
-        )
-    return shards
+    return sorted(found, key=_step)
 
 
-def _verify(snap: Path) -> dict[str, Any]:
-    """Load one snapshot after checking its checksum; raise SnapshotError if it is damaged."""
-    try:
-        meta = _meta(snap)
-    except (OSError, ValueError) as e:
-        raise SnapshotError(f"{snap}: unreadable meta.json ({e})") from e
-    state = snap / "state.pt"
-    if not state.is_file() or _sha256(state) != meta.get("sha256"):
-        raise SnapshotError(f"{snap}: state.pt is missing or its checksum does not match")
+def open_shards(snap: str | Path) -> tuple[Path, Any]:
+    """The shard directory of FSDP snapshot `snap` and its DCP metadata, once every shard file
+    matches the manifest and the metadata has been read safely (no code runs)."""
+    from isotrain.train.safe_dcp import METADATA, read_metadata
+
+    snap = Path(snap)
+    files = manifest(read_meta(snap), snap)
+    shards = {k: v for k, v in files.items() if k.startswith(f"{SHARDS}/") and k.count("/") == 1}
+    if f"{SHARDS}/{METADATA}" not in shards:
+        raise SnapshotError(f"{snap}: FSDP shard files missing from its manifest")
+    verify_files(snap, shards)
+    names = {k.split("/", 1)[1] for k in shards}
+    return snap / SHARDS, read_metadata(snap / SHARDS, names)
+
+
+def _verify(snap: Path, root: Path) -> dict[str, Any]:
+    """Load one snapshot after checking every file; raise SnapshotError if it is unusable."""
+    if snap.is_symlink() or not contained(snap, root):
+        raise SnapshotError(f"{snap}: a link, or outside the run directory")
+    meta = read_meta(snap)
+    files = manifest(meta, snap)
+    if meta.get("step") != _step(snap):
+        raise SnapshotError(f"{snap}: meta.json names step {meta.get('step')!r}")
+    verify_files(snap, files)
     if meta.get("sharded"):
-        check_shard_files(snap, meta)
+        open_shards(snap)
     try:
-        payload = torch.load(state, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        payload = torch.load(snap / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # untrusted bytes can fail in any way; weights_only runs no code
         raise SnapshotError(
             f"{snap}: state.pt holds something other than tensors and plain data, which "
-            f"isotrain never loads (weights_only=True): {str(e).splitlines()[-1]}"
-        ) from e
-    if payload.get("format_version") != FORMAT_VERSION:
-        raise SnapshotError(
-            f"{snap}: format version {payload.get('format_version')} is not "
-            f"{FORMAT_VERSION}; resume it with the isotrain version that wrote it"
-        )
+            f"isotrain never loads (weights_only=True): {one_line(e)}"
+        ) from None
+    if not isinstance(payload, dict) or bool(payload.get("sharded")) != bool(meta.get("sharded")):
+        raise SnapshotError(f"{snap}: state.pt does not hold a snapshot of the kind meta.json says")
     return payload
 
 
-def load_snapshot(run_dir: str | Path, *, which: str = "latest") -> tuple[dict[str, Any], Path]:
+def load_snapshot(
+    run_dir: str | Path, *, which: str = "latest", check: Check | None = check_payload
+) -> tuple[dict[str, Any], Path]:
     """The newest intact snapshot (`latest`) or the best-validation one (`best`).
 
-    A damaged snapshot is reported with a warning and the previous good one is used.
+    A damaged snapshot, or one `check(payload, path)` refuses with a SnapshotError, is
+    reported with one warning line and the previous one is used.
     """
-    root = Path(run_dir) / "snapshots"
-    snaps = find_snapshots(run_dir)
-    if not snaps:
-        raise SnapshotError(f"{run_dir}: no snapshot found (looked in {root})")
-    pointer = _read_pointer(root / ("BEST" if which == "best" else "LATEST"))
-    order = [root / pointer] if pointer and (root / pointer).exists() else []
-    order += [s for s in reversed(snaps) if s not in order]
+    root = snapshots_dir(run_dir)
+    found = sorted((p for p in root.glob("step_*") if SNAPSHOT_NAME.fullmatch(p.name)), key=_step)
+    if not found:
+        raise SnapshotError(
+            f"{run_dir}: no snapshot found (looked in {root}); try the --out-dir of a run"
+        )
+    pointer_file = root / ("BEST" if which == "best" else "LATEST")
+    pointer = read_pointer(pointer_file)
+    if pointer is not None and root / pointer not in found:
+        log.warning(
+            "%s names %s, which does not exist: using the newest snapshot", pointer_file, pointer
+        )
+    order = [root / pointer] if pointer is not None and root / pointer in found else []
+    order += [s for s in reversed(found) if s not in order]
     errors = []
     for snap in order:
         try:
-            return _verify(snap), snap
+            payload = _verify(snap, root)
+            if check is not None:
+                check(payload, snap)
+            return payload, snap
         except SnapshotError as e:
             log.warning("skipping damaged snapshot: %s", e)
             errors.append(str(e))
-    raise SnapshotError(f"{run_dir}: every snapshot is damaged:\n  " + "\n  ".join(errors))
+    raise SnapshotError(
+        f"{run_dir}: every snapshot is damaged ({len(errors)} tried, each reported above); "
+        "try another run directory, or a new --out-dir"
+    )

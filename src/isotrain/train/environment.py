@@ -1,0 +1,59 @@
+"""What the machine must offer a run: the device, a usable run directory, optional packages.
+
+Checked before anything is built or written, so a run that cannot work fails in one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from isotrain.train.fields import ConfigError
+
+__all__ = ["check_device", "check_directory", "check_extra"]
+
+
+def check_device(name: str) -> None:
+    """Refuse a device this machine does not have, before anything is built."""
+    if name == "auto":
+        return
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            f"--device {name!r} is not a device; try --device auto (or cpu, cuda, cuda:N)"
+        ) from None
+    if dev.type == "cuda":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        ok = have > (dev.index or 0)
+    elif dev.type == "meta":
+        ok = False
+    else:
+        backend = getattr(torch.backends, dev.type, None) or getattr(torch, dev.type, None)
+        ok = dev.type == "cpu" or bool(getattr(backend, "is_available", lambda: False)())
+    if not ok:
+        raise ConfigError(f"--device {name!r}: this machine has no such device; try --device cpu")
+
+
+def check_directory(option: str, path: str | None) -> None:
+    """A run directory must be a directory, or creatable: not a file, not under a file."""
+    if path is None:
+        return
+    p = Path(path).expanduser()
+    for at in (p, *p.parents):
+        if at.exists():
+            if not at.is_dir():
+                where = "is a file" if at == p else f"lies under the file {at}"
+                raise ConfigError(f"{option} {path} {where}; try another {option}")
+            return
+
+
+def check_extra(module: str, option: str, extra: str) -> None:
+    """Refuse `option` when the optional package `module` (from isotrain[extra]) is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(
+            f"{option} needs the {module} package, which is not installed; "
+            f"try pip install 'isotrain[{extra}]'"
+        )

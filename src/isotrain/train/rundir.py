@@ -1,0 +1,168 @@
+"""The run directory as a shared resource: one writer at a time, and write errors that say
+what was being written and what is still safe.
+
+    RUN/.lock    PID of the process training into RUN (an advisory flock held while it runs)
+
+The lock is `fcntl.flock` on that file: the kernel drops it when the holder dies, so a lock
+file left by a killed run is stale by construction and simply taken over. Under torchrun
+only rank 0 locks; the ranks agree on the outcome so that none trains alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from isotrain.train.config import ConfigError
+from isotrain.train.integrity import read_pointer
+from isotrain.train.parallel import DistInfo, any_rank
+
+__all__ = [
+    "LOCK_FILE",
+    "RunLockedError",
+    "WriteError",
+    "append_line",
+    "lock_run",
+    "write_error",
+    "writing",
+]
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".lock"
+# torch.save reports a failed write as a RuntimeError from its zip writer, without an errno.
+_TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "file write failed")
+
+
+class RunLockedError(ConfigError):
+    """Another live process holds the run directory."""
+
+
+class WriteError(RuntimeError):
+    """A write into the run directory failed (disk full, permissions, I/O); nothing that was
+    complete before is lost."""
+
+
+def _safe_note(run_dir: Path) -> str:
+    latest = read_pointer(run_dir / "snapshots" / "LATEST")
+    if latest is None:
+        return "no snapshot had been written yet"
+    return f"the last good snapshot ({latest}) is safe"
+
+
+@contextlib.contextmanager
+def writing(what: str | Path, run_dir: str | Path) -> Iterator[None]:
+    """Turn an OSError (or torch's failed-write RuntimeError) in the block into a WriteError
+    naming `what`, the reason, and the snapshot a rerun resumes from."""
+    try:
+        yield
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise write_error(what, reason, run_dir, e.errno) from e
+    except RuntimeError as e:
+        if isinstance(e, WriteError) or not any(m in str(e) for m in _TORCH_WRITE_ERRORS):
+            raise
+        raise write_error(what, "the write failed (disk full?)", run_dir) from e
+
+
+def write_error(
+    what: str | Path, reason: str, run_dir: str | Path, code: int | None = None
+) -> WriteError:
+    """`could not write WHAT: REASON; the last good snapshot (...) is safe. Try ...`"""
+    fix = "free some space" if code in (None, errno.ENOSPC, errno.EDQUOT) else "fix that"
+    return WriteError(
+        f"could not write {what}: {reason}; {_safe_note(Path(run_dir))}. Try to {fix}, then "
+        "run the same command again to resume"
+    )
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline in whole: a failed write is cut back off the file, so a
+    full disk never leaves half a record. Never follows a link."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> int | None:
+    """The PID written in an open lock file, if it holds one."""
+    text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+    return int(text) if text.isdigit() else None
+
+
+def _acquire(run_dir: Path) -> int:
+    """Take the lock of `run_dir` (creating both); returns the open, locked file."""
+    path = run_dir / LOCK_FILE
+    for _ in range(5):  # the holder may remove the file between our open and our flock
+        with writing(path, run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunLockedError(
+                f"{run_dir} is in use by another isotrain process (PID {holder}); wait for it "
+                "to finish, or try another --out-dir"
+            ) from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                _claim(fd, path, run_dir)
+                return fd
+        os.close(fd)
+    raise RunLockedError(f"{run_dir}: its lock file keeps changing; try again")
+
+
+def _claim(fd: int, path: Path, run_dir: Path) -> None:
+    """Write our PID into the lock we hold, noting a stale holder we replace."""
+    stale = _holder(fd)
+    if stale is not None and stale != os.getpid():
+        log.warning(
+            "%s: taking over the lock of process %d, which no longer holds it", run_dir, stale
+        )
+    with writing(path, run_dir):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _release(run_dir: Path, fd: int) -> None:
+    """Remove the lock file, then drop the lock (a waiter then sees a new file, not ours)."""
+    with contextlib.suppress(OSError):
+        os.unlink(run_dir / LOCK_FILE)
+    os.close(fd)
+
+
+@contextlib.contextmanager
+def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
+    """Hold `run_dir`'s lock for the block (rank 0 takes it; every rank learns the outcome)."""
+    run_dir, fd, error = Path(run_dir), None, None
+    if info.is_main:
+        try:
+            fd = _acquire(run_dir)
+        except (RunLockedError, WriteError) as e:
+            error = e
+    if info.distributed and any_rank(error is not None, info.device):  # sync: once, at start
+        error = error or RunLockedError(f"rank 0 could not lock {run_dir}; see its error")
+    try:
+        if error is not None:
+            raise error
+        yield
+    finally:
+        if fd is not None:
+            _release(run_dir, fd)

@@ -1,0 +1,216 @@
+"""Every bad value is refused at the boundary: one line `error: ... try ...`, exit 2, no
+traceback, through flags and through TOML alike, and an existing run directory is left byte
+for byte as it was."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from isotrain.train.cli import main
+
+SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
+HUGE = str(2**70)
+TRY = "; try isotrain train --help"  # tyro's own parse errors end so
+
+# (id, flags, TOML text or None, the whole error after "isotrain train: error: ")
+# <file> is a regular file, <toml> the TOML file of the case: both are filled in per test.
+TRAIN_CASES = [
+    ("lr-inf", ["--optim.lr", "inf"], None,
+     "--optim.lr inf is invalid: it must be a finite number; try --optim.lr 0.002"),
+    ("lr-inf", [], "[optim]\nlr = inf\n",
+     "--config <toml>: optim.lr = inf is invalid: it must be a finite number; "
+     "try [optim] lr = 0.002"),
+    ("weight-decay-inf", ["--optim.weight-decay", "inf"], None,
+     "--optim.weight-decay inf is invalid: it must be a finite number; "
+     "try --optim.weight-decay 0.1"),
+    ("weight-decay-inf", [], "[optim]\nweight_decay = inf\n",
+     "--config <toml>: optim.weight_decay = inf is invalid: it must be a finite number; "
+     "try [optim] weight_decay = 0.1"),
+    ("dropout-nan", ["--model.dropout", "nan"], None,
+     "--model.dropout nan is invalid: it must be a finite number; try --model.dropout 0.0"),
+    ("precision-fp8", ["--precision", "fp8"], None,
+     "invalid choice 'fp8' for argument '--precision'. Expected one of ('fp32', 'bf16', "
+     "'fp16')" + TRY),
+    ("precision-fp8", [], 'precision = "fp8"\n',
+     "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'fp32', 'bf16', "
+     "'fp16'; try precision = \"fp32\""),
+    ("steps-true", ["--steps", "true"], None,
+     "Error parsing --steps: invalid literal for int() with base 10: 'true'" + TRY),
+    ("steps-true", [], "steps = true\n",
+     "--config <toml>: steps = true is invalid: it must be an integer; try steps = 8"),
+    ("steps-string", [], 'steps = "8"\n',
+     "--config <toml>: steps = \"8\" is invalid: it must be an integer; try steps = 8"),
+    ("bias-int", [], "[model]\nbias = 1\n",
+     "--config <toml>: model.bias = 1 is invalid: it must be true or false; "
+     "try [model] bias = true"),
+    ("buckets-bool", [], "[data]\nbuckets = [16, true]\n",
+     "--config <toml>: data.buckets = [16, true] is invalid: it must be a list of integers; "
+     "try [data] buckets = []"),
+    ("inject-nan-negative", ["--guard.inject-nan-at", "-3"], None,
+     "--guard.inject-nan-at -3 is invalid: steps are numbered from 1; "
+     "try --guard.inject-nan-at 3 (or leave it out)"),
+    ("inject-nan-negative", [], "[guard]\ninject_nan_at = [-3]\n",
+     "--guard.inject-nan-at -3 is invalid: steps are numbered from 1; "
+     "try --guard.inject-nan-at 3 (or leave it out)"),
+    ("rollback-negative", ["--guard.rollback-after", "-1"], None,
+     "--guard.rollback-after -1 is invalid: use 0 (off) or more; "
+     "try --guard.rollback-after 0"),
+    ("rollback-negative", [], "[guard]\nrollback_after = -1\n",
+     "--guard.rollback-after -1 is invalid: use 0 (off) or more; "
+     "try --guard.rollback-after 0"),
+    ("seed-negative", ["--seed", "-1"], None,
+     "--seed -1 is invalid: use 0 to 2**63 - 1; try --seed 1337"),
+    ("seed-huge", ["--seed", HUGE], None,
+     f"--seed {HUGE} is invalid: it must fit in 64 bits; try --seed 1337"),
+    ("seed-huge", [], f"seed = {HUGE}\n",
+     f"--config <toml>: seed = {HUGE} is invalid: it must fit in 64 bits; try seed = 1337"),
+    ("compile-mode", ["--compile.mode", "fast"], None,
+     "--compile.mode fast is invalid: use one of ('default', 'reduce-overhead', "
+     "'max-autotune', 'max-autotune-no-cudagraphs'); try --compile.mode None"),
+    ("unknown-flag", ["--model.width", "3"], None,
+     "Unrecognized options: --model.width, 3" + TRY),
+    ("unknown-key", [], "[model]\nwidth = 3\n",
+     "--config <toml>: unknown setting 'model.width'; try one of n_layer, n_head, d_model, "
+     "block_size, vocab_size, dropout, bias, gelu"),
+    ("misspelt-key", [], "[model]\nd_modle = 64\n",
+     "--config <toml>: unknown setting 'model.d_modle'; try 'model.d_model'"),
+    ("unknown-section", [], "[modle]\nn_layer = 3\n",
+     "--config <toml>: unknown setting 'modle'; try 'model'"),
+    ("section-as-value", [], "model = 3\n",
+     "--config <toml>: 'model' is a section; try writing it as [model]"),
+    ("not-utf8", [], b"steps = 8\n# \xff\xfe\n",
+     "--config <toml>: not UTF-8 text (byte 12); try saving it as UTF-8"),
+    ("not-toml", [], "steps = \n",
+     "--config <toml>: not valid TOML (Invalid value (at line 1, column 9)); try fixing that line"),
+    ("no-toml-file", ["--config", "<file>.missing"], None,
+     "--config <file>.missing: no such file; try the path of a TOML file"),
+    ("out-dir-is-a-file", ["--out-dir", "<file>"], None,
+     "--out-dir <file> is a file; try another --out-dir"),
+    ("out-dir-is-a-file", [], 'out_dir = "<file>"\n',
+     "--out-dir <file> is a file; try another --out-dir"),
+    ("out-dir-under-a-file", ["--out-dir", "<file>/run"], None,
+     "--out-dir <file>/run lies under the file <file>; try another --out-dir"),
+    ("device-mps", ["--device", "mps"], None,
+     "--device 'mps': this machine has no such device; try --device cpu"),
+    ("device-mps", [], 'device = "mps"\n',
+     "--device 'mps': this machine has no such device; try --device cpu"),
+    ("device-cuda", ["--device", "cuda:64"], None,
+     "--device 'cuda:64': this machine has no such device; try --device cpu"),
+    ("tensorboard-missing", ["--report.tensorboard"], None,
+     "--report.tensorboard needs the tensorboard package, which is not installed; "
+     "try pip install 'isotrain[tensorboard]'"),
+    ("data-missing", ["--data.path", "<file>.missing"], None,
+     "--data.path <file>.missing: no such file or directory"),
+]  # fmt: skip
+
+
+def _files(run: Path) -> dict[str, bytes | None]:
+    """Every path under `run` with its bytes (None for a directory)."""
+    return {
+        str(p.relative_to(run)): p.read_bytes() if p.is_file() else None for p in run.rglob("*")
+    }
+
+
+@pytest.fixture(scope="module")
+def existing_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("existing") / "run"
+    assert main(["train", *SMOKE, "--steps", "2", "--out-dir", str(run)]) == 0
+    return run
+
+
+def _ids() -> list[str]:
+    return [f"{name}-{'toml' if toml is not None else 'flag'}" for name, _, toml, _ in TRAIN_CASES]
+
+
+@pytest.mark.parametrize(("name", "flags", "toml", "expected"), TRAIN_CASES, ids=_ids())
+def test_bad_values_are_one_line_and_leave_the_run_alone(
+    existing_run, tmp_path, monkeypatch, capsys, name, flags, toml, expected
+) -> None:
+    file = tmp_path / "file"
+    file.write_text("not a directory")
+    toml_path = tmp_path / "run.toml"
+
+    def fill(text: str) -> str:
+        return text.replace("<toml>", str(toml_path)).replace("<file>", str(file))
+
+    out = [] if toml and "out_dir" in str(toml) else ["--out-dir", str(existing_run)]
+    argv = ["train", *SMOKE, *out, *map(fill, flags)]
+    if toml is not None:
+        data = toml if isinstance(toml, bytes) else fill(toml).encode()
+        toml_path.write_bytes(data)
+        argv[1:1] = ["--config", str(toml_path)]
+    if name == "tensorboard-missing":
+        monkeypatch.setitem(sys.modules, "tensorboard", None)
+    before = _files(existing_run)
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"isotrain train: error: {fill(expected)}\n"
+    assert _files(existing_run) == before
+
+
+def _safetensors(tmp_path: Path) -> dict[str, Path]:
+    import safetensors.torch as st
+    import torch
+
+    foreign = tmp_path / "foreign.safetensors"
+    st.save_file({"w": torch.zeros(3)}, str(foreign))
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(foreign.read_bytes()[:-5])
+    return {"foreign": foreign, "truncated": truncated}
+
+
+OTHER_CASES = [
+    ("export-onto-a-directory", ["export", "--run", "<run>", "--out", "<dir>"],
+     "isotrain export: error: --out <dir> is a directory; try another --out"),
+    ("export-under-a-file", ["export", "--run", "<run>", "--out", "<file>/m.safetensors"],
+     "isotrain export: error: --out <file>/m.safetensors lies under the file <file>; "
+     "try another --out"),
+    ("export-which", ["export", "--run", "<run>", "--which", "worst"],
+     "isotrain export: error: invalid choice 'worst' for argument '--which'. Expected one of "
+     "('latest', 'best'); try isotrain export --help"),
+    ("plot-onto-a-file", ["plot", "--run", "<run>", "--out", "<file>"],
+     "isotrain plot: error: --out <file> is a file; try another --out"),
+    ("plot-without-matplotlib", ["plot", "--run", "<run>", "--out", "<dir>"],
+     "isotrain plot: error: plots need matplotlib, which is not installed; "
+     "try pip install 'isotrain[plots]'"),
+    ("report-not-a-run", ["report", "--run", "<dir>"],
+     "isotrain report: error: <dir>/metrics.jsonl: no metrics file; try the --out-dir of an "
+     "isotrain train run"),
+    ("sample-not-a-run", ["sample", "--run", "<dir>"],
+     "isotrain sample: error: <dir>: no snapshot found (looked in <dir>/snapshots); try the "
+     "--out-dir of a run"),
+    ("sample-truncated-export", ["sample", "--run", "<truncated>"],
+     "isotrain sample: error: --run <truncated>: not a readable isotrain export (Error while "
+     "deserializing header: incomplete metadata, file not fully covered); try a file written "
+     "by isotrain export"),
+    ("sample-foreign-export", ["sample", "--run", "<foreign>"],
+     "isotrain sample: error: --run <foreign>: not a readable isotrain export (<foreign>: not an "
+     "isotrain export (no isotrain_model_config metadata)); try a file written by isotrain "
+     "export"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "argv", "expected"), OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
+def test_bad_paths_and_files_of_the_other_commands_are_one_line(
+    existing_run, tmp_path, monkeypatch, capsys, name, argv, expected
+) -> None:
+    paths = {"run": existing_run, "dir": tmp_path / "dir", "file": tmp_path / "file"}
+    paths.update(_safetensors(tmp_path))
+    paths["dir"].mkdir()
+    paths["file"].write_text("not a directory")
+
+    def fill(text: str) -> str:
+        for key, path in paths.items():
+            text = text.replace(f"<{key}>", str(path))
+        return text
+
+    if name == "plot-without-matplotlib":
+        monkeypatch.setitem(sys.modules, "matplotlib", None)
+    before = _files(existing_run)
+    capsys.readouterr()
+    assert main([fill(a) for a in argv]) == 2
+    assert capsys.readouterr().err == fill(expected) + "\n"
+    assert _files(existing_run) == before
