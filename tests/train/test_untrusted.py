@@ -21,6 +21,9 @@ from isotrain.train.loop import train
 from isotrain.train.safe_dcp import read_metadata
 from isotrain.train.snapshot import load_snapshot
 
+# The planted pickles use protocol 4; torch warns before refusing them, which is the point.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
+
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
