@@ -91,7 +91,7 @@ def test_bpe_trained_on_text_and_kept_on_resume(corpus, tmp_path, capsys) -> Non
     code = main(["train", *args, "--model.vocab-size", "300", "--tokenizer", "bytes"])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot resume {run}: it trained with {run}/tokenizer.json" in err
-    assert "drop --tokenizer to continue it, or pass a new --out-dir" in err
+    assert "drop --tokenizer to continue it, or try --steps 4 to train it further" in err
 
 
 def test_nanogpt_folder_of_unknown_ids(tmp_path, capsys) -> None:
@@ -153,11 +153,13 @@ def test_fine_tune_from_a_run_starts_fresh_and_skips_nothing(source_run, tmp_pat
     _assert_fresh_start(cfg, source)
     train(cfg)
     assert _summary(tmp_path / "ft")["skipped_steps"] == 0
-    # The old workaround: resume a copy of the run on the new data. Its guard window holds the
-    # old data's gradient norms, and the new data's first steps look like spikes to it.
+    # The old workaround, resuming a copy of the run on the new data, continued the old
+    # optimizer, schedule and guard window (whose old gradient norms made the new data's first
+    # steps look like spikes). It is refused now, naming --init-from.
     shutil.copytree(source_run, tmp_path / "copy")
-    train(_cfg(tmp_path / "copy", path=new, steps=64, eval_every=100))
-    assert _summary(tmp_path / "copy")["skipped_steps"] > 0
+    refused = r"holds a run with --data.path None, not .*--init-from"
+    with pytest.raises(C.ConfigError, match=refused):
+        train(_cfg(tmp_path / "copy", path=new, steps=64, eval_every=100))
 
 
 def test_fine_tune_from_an_exported_file(source_run, tmp_path, capsys) -> None:

@@ -151,8 +151,11 @@ class QuantConfig:
 class SnapshotConfig:
     """Snapshots (resumable training state) in the run directory."""
 
-    every: int = 0
-    """Write a snapshot every N steps (0 = only at the end)."""
+    every: int | None = None
+    """Write a snapshot every N steps (None: at every evaluation; 0: only at the end)."""
+    minutes: float = 5.0
+    """Also write one once this many minutes passed since the last (0: off), so a crash
+    loses at most that much."""
     keep: int = 2
     """Keep the last K periodic snapshots (plus the best-validation one)."""
 
@@ -302,7 +305,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool]
         (_positive, "it must be a positive integer"),
     ),
     **dict.fromkeys(
-        ("optim.warmup_steps", "optim.weight_decay", "sample_tokens", "snapshot.every"),
+        ("optim.warmup_steps", "optim.weight_decay", "sample_tokens", "snapshot.minutes"),
         (_at_least_0, "use 0 or more"),
     ),
     **dict.fromkeys(
@@ -313,6 +316,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool]
     "optim.lr": (_positive, "the learning rate must be positive"),
     "optim.grad_clip": (_at_least_0, "use 0 (off) or a positive norm"),
     "snapshot.keep": (lambda v: v >= 1, "keep at least 1"),
+    "snapshot.every": (lambda v: v is None or v >= 0, "use None (at every evaluation), 0 or more"),
     "quant.bits": (lambda v: 0 <= v <= 16, "use 0 (off) or 1..16"),
     "guard.spike_window": (lambda v: v >= 2, "use 2 or more"),
     "guard.inject_nan_at": (

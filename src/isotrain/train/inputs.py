@@ -20,6 +20,7 @@ from pathlib import Path
 from isotrain.train.config import ConfigError, TrainConfig, flag, validate
 from isotrain.train.data import Corpus, build_corpus
 from isotrain.train.model import GPT
+from isotrain.train.resume import ways_on
 from isotrain.train.snapshot import SnapshotError, find_snapshots
 from isotrain.train.sources import TextData, TokenData, open_data
 from isotrain.train.tokenizer import (
@@ -149,7 +150,7 @@ def _check_agrees(tok: Tokenizer, data: TextData | TokenData, init: InitSource |
             )
 
 
-def _check_resume(tok: Tokenizer, run_dir: Path) -> None:
+def _check_resume(tok: Tokenizer, run_dir: Path, steps: int) -> None:
     """A resumed run keeps the tokenizer it trained with."""
     saved = run_dir / RUN_TOKENIZER
     before = HFTokenizer.from_file(saved) if saved.is_file() else None
@@ -157,7 +158,7 @@ def _check_resume(tok: Tokenizer, run_dir: Path) -> None:
         was = before.describe() if before else "bytes or ids (no tokenizer.json)"
         raise ConfigError(
             f"cannot resume {run_dir}: it trained with {was}, not {tok.describe()}; drop "
-            "--tokenizer to continue it, or pass a new --out-dir"
+            f"--tokenizer to continue it, or {ways_on(run_dir, steps)}"
         )
 
 
@@ -176,7 +177,7 @@ def resolve_tokenizer(
         tok = _choose(cfg, data, init.tokenizer if init else None)
     _check_agrees(tok, data, init)
     if resuming:
-        _check_resume(tok, Path(cfg.out_dir))
+        _check_resume(tok, Path(cfg.out_dir), cfg.steps)
     if cfg.tokenizer_sha256 and tok.sha256 != cfg.tokenizer_sha256:
         raise ConfigError(
             f"--tokenizer-sha256 {cfg.tokenizer_sha256[:12]}… does not match "

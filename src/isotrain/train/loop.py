@@ -213,25 +213,42 @@ def _loop(
     """Steps until the end or a stop signal; returns training seconds and whether it stopped."""
     cfg, st = run.cfg, run.state
     first, timer, stopping = st.step, _Timer(st.tokens_seen), False
+    clock, late = _SnapshotClock(cfg.snapshot.minutes), False
     while st.step < cfg.steps and not stopping:
         eval_due = st.step % cfg.eval_every == 0
-        snapshot_due = cfg.snapshot.every and st.step % cfg.snapshot.every == 0
+        every = cfg.snapshot.every
+        snapshot_due = late or (eval_due if every is None else bool(every) and st.step % every == 0)
         if st.step != first and (eval_due or snapshot_due):
             with timer.paused():  # evaluation and snapshots stay out of tokens/s
                 if eval_due:
                     _evaluate_and_record(run, reporter, metrics, baseline)
                 if snapshot_due:
                     save_run(run)
+                    clock.reset()
         outcome = train_step(run)
         log_step = st.step % cfg.log_every == 0 or st.step == cfg.steps
         if log_step:
             _log(run, reporter, metrics, outcome, *timer.lap(st.tokens_seen))
-        # Ranks must stop at the same step, or their snapshot collectives never meet.
+        # Ranks must stop (and snapshot) at the same step, or their collectives never meet.
         if not run.dist.distributed:
-            stopping = bool(stop)
+            stopping, late = bool(stop), clock.due()
         elif log_step:
             stopping = any_rank(bool(stop), run.dist.device)  # sync: log steps only
+            late = any_rank(clock.due(), run.dist.device)  # sync: log steps only
     return timer.total, stopping
+
+
+class _SnapshotClock:
+    """Wall time since the last snapshot, for `--snapshot.minutes` (0: never due)."""
+
+    def __init__(self, minutes: float) -> None:
+        self.period, self.last = minutes * 60.0, time.monotonic()
+
+    def due(self) -> bool:
+        return self.period > 0 and time.monotonic() - self.last >= self.period
+
+    def reset(self) -> None:
+        self.last = time.monotonic()
 
 
 def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:

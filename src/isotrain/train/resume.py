@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import os
 import signal
 import threading
@@ -38,6 +39,26 @@ log = logging.getLogger(__name__)
 
 # Settings that define tensor shapes: a snapshot cannot be loaded across a change of these.
 SHAPE_FIELDS = ("n_layer", "n_head", "d_model", "block_size", "vocab_size", "bias")
+# Settings that make a run what it is: resuming across a change would continue the old run on
+# other data, another tokenizer or other random streams, so it is refused (NOTE [resume]).
+IDENTITY_FIELDS = (
+    *("data.path", "data.val_path", "data.val_fraction", "data.bin_dtype"),
+    *("tokenizer_sha256", "seed", "init_from"),
+)
+
+# NOTE [resume]
+# An automatic resume is only right when the command asks for the same run. A changed data
+# path, tokenizer or seed, or a run that already finished, means the user wants something
+# else: we refuse and name the three ways on rather than guess. Other changes (--steps,
+# --log-every, ...) continue the run and are logged.
+
+
+def ways_on(run_dir: str | Path, steps: int) -> str:
+    """The three ways past a refused resume, for the end of an error message."""
+    return (
+        f"try --steps {max(2 * steps, steps + 1)} to train it further, a new --out-dir for a "
+        f"new run, or --init-from {run_dir} to start a new run from its weights"
+    )
 
 
 def save_run(run: Run) -> Path | None:
@@ -80,6 +101,16 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
             raise ConfigError(
                 f"cannot resume: {flag('model.' + name)} is {new!r} but the snapshot was "
                 f"trained with {old!r}; try {flag_value('model.' + name, old)}, or a new --out-dir"
+            )
+    paths = IDENTITY_FIELDS + (("data.max_bytes",) if cfg.data.path is None else ())
+    for path in paths:
+        section, _, key = path.rpartition(".")
+        old = (saved.get(section, {}) if section else saved).get(key)
+        new = operator.attrgetter(path)(cfg)
+        if old != new:
+            raise ConfigError(
+                f"{cfg.out_dir} holds a run with {flag(path)} {old!r}, not {new!r}: resuming "
+                f"would continue that run on something else; {ways_on(cfg.out_dir, cfg.steps)}"
             )
     return _diff(saved, dataclasses.asdict(cfg), "")
 
@@ -178,6 +209,11 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
         changes[:] = _restore(run, payload, path)
 
     payload, path = load_snapshot(out, check=restore)
+    if run.state.step >= run.cfg.steps:
+        raise ConfigError(
+            f"{out} already finished: it trained {run.state.step} of --steps {run.cfg.steps}; "
+            + ways_on(out, run.cfg.steps)
+        )
     if payload.get("world_size", 1) != run.dist.world_size:
         log.warning(
             "resuming a snapshot of %s ranks with %d: batches and random streams differ from "
