@@ -18,12 +18,27 @@ alone, audit it inside the test: ``with StateAudit(raise_on_leak=True): ...``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from isotrain.contexts import StateAudit, rng_isolated
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """`--precision auto` caches its probe: keep the suite's probes out of the user's home."""
+    before = os.environ.get("ISOTRAIN_CACHE_DIR")
+    os.environ["ISOTRAIN_CACHE_DIR"] = str(tmp_path_factory.mktemp("isotrain-cache"))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("ISOTRAIN_CACHE_DIR", None)
+        else:
+            os.environ["ISOTRAIN_CACHE_DIR"] = before
 
 
 @pytest.fixture(autouse=True)

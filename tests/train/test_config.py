@@ -147,8 +147,8 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
         ({"steps": True}, "--steps True is invalid: it must be an integer; try --steps 500"),
         (
             {"precision": "fp8"},
-            "--precision 'fp8' is invalid: it must be one of 'fp32', "
-            "'bf16', 'fp16'; try --precision fp32",
+            "--precision 'fp8' is invalid: it must be one of 'auto', 'fp32', "
+            "'bf16', 'fp16'; try --precision auto",
         ),
         (
             {"model": C.ModelConfig(bias=1)},

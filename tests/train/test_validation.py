@@ -32,11 +32,11 @@ TRAIN_CASES = [
     ("dropout-nan", ["--model.dropout", "nan"], None,
      "--model.dropout nan is invalid: it must be a finite number; try --model.dropout 0.0"),
     ("precision-fp8", ["--precision", "fp8"], None,
-     "invalid choice 'fp8' for argument '--precision'. Expected one of ('fp32', 'bf16', "
-     "'fp16')" + TRY),
+     "invalid choice 'fp8' for argument '--precision'. Expected one of ('auto', 'fp32', "
+     "'bf16', 'fp16')" + TRY),
     ("precision-fp8", [], 'precision = "fp8"\n',
-     "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'fp32', 'bf16', "
-     "'fp16'; try precision = \"fp32\""),
+     "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'auto', 'fp32', "
+     "'bf16', 'fp16'; try precision = \"fp32\""),
     ("steps-true", ["--steps", "true"], None,
      "Error parsing --steps: invalid literal for int() with base 10: 'true'" + TRY),
     ("steps-true", [], "steps = true\n",

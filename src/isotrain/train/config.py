@@ -206,8 +206,9 @@ class TrainConfig:
     """Seed for initialisation, batches and dropout."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Autocast precision; fp16 adds a GradScaler."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: the faster of fp32 and bf16 on this device for this model (a short probe, cached
+    per machine); bf16/fp16 autocast (fp16 adds a GradScaler); fp32: none."""
     out_dir: str = "runs/default"
     """Run directory: metrics, snapshots, plots."""
     resume: str | None = None
@@ -254,6 +255,7 @@ def _smoke() -> TrainConfig:
         eval_batches=2,
         log_every=2,
         sample_tokens=16,
+        precision="fp32",  # fixed, so quick runs compare across machines
         progress=False,
     )
 

@@ -33,6 +33,7 @@ from isotrain.train.parallel import (
     process_group_scope,
     wrap_model,
 )
+from isotrain.train.precision import resolve_precision
 from isotrain.train.report import MetricsWriter, Reporter
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
 from isotrain.train.rundir import lock_run
@@ -51,6 +52,7 @@ def setup(cfg: TrainConfig) -> Run:
     validate(cfg)
     info = init_distributed(cfg.parallel.mode, cfg.device)
     cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
+    cfg, precision = resolve_precision(cfg, info)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
     model = build_model(cfg.model)
@@ -62,7 +64,7 @@ def setup(cfg: TrainConfig) -> Run:
     optimizer = build_optimizer(model, cfg.optim)
     updater = build_updater(cfg, model, optimizer, info)
     run = Run(cfg, info, batches, model, train_model, optimizer, updater)
-    run.tokenizer = tokenizer
+    run.tokenizer, run.precision_note = tokenizer, precision
     return run
 
 
@@ -280,6 +282,7 @@ def _facts(run: Run, first: int) -> list[str]:
         f"tokenizer: {run.tokenizer.describe()}",
         f"model: {run.model.num_params():,} parameters",
         f"device: {run.dist.device}, world size {run.dist.world_size}",
+        f"precision: {run.precision_note or run.cfg.precision}",
     ]
     if run.cfg.init_from and not first:
         lines.append(f"weights from --init-from {run.cfg.init_from} (new run, step 0)")

@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,10 +20,13 @@ from torch import nn
 from isotrain import BlockSpec, find_blocks
 from isotrain.train.config import ConfigError
 
+T = TypeVar("T")
+
 __all__ = [
     "DistInfo",
     "all_reduce_mean",
     "any_rank",
+    "from_main",
     "full_value",
     "init_distributed",
     "no_grad_sync",
@@ -211,3 +214,12 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([int(flag)], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())  # sync: the agreed decision
+
+
+def from_main(obj: T) -> T:
+    """Rank 0's `obj` on every rank (itself in a world of one): one decision for all ranks."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -15,8 +15,9 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -24,8 +25,15 @@ from isotrain.autograd import native_bf16_matmul
 from isotrain.contexts import autocast_if_available, rng_isolated
 from isotrain.train.config import TrainConfig
 from isotrain.train.model import GPT
+from isotrain.train.parallel import DistInfo, from_main
 
-__all__ = ["PrecisionChoice", "cache_path", "choose_precision", "probe_ratio"]
+__all__ = [
+    "PrecisionChoice",
+    "cache_path",
+    "choose_precision",
+    "probe_ratio",
+    "resolve_precision",
+]
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +159,7 @@ def _cpu_capability() -> str:
 
 
 def choose_precision(
-    cfg: TrainConfig, device: torch.device, *, probe: ProbeFn = probe_ratio
+    cfg: TrainConfig, device: torch.device, *, probe: ProbeFn | None = None
 ) -> PrecisionChoice:
     """fp32 or bf16 for `cfg`'s model on `device`: capability first, then a cached probe."""
     native, why = _bf16_native(device)
@@ -163,7 +171,7 @@ def choose_precision(
         return PrecisionChoice(
             str(hit["precision"]), str(hit.get("reason", "")), _float(hit.get("ratio")), True
         )
-    ratio = probe(cfg, device)
+    ratio = (probe or probe_ratio)(cfg, device)
     precision = "bf16" if ratio < BF16_WINS_BELOW else "fp32"
     measured = f"measured bf16/fp32 step time {ratio:.2f}x on this model"
     choice = PrecisionChoice(precision, f"{why}; {measured}", ratio)
@@ -173,3 +181,13 @@ def choose_precision(
 
 def _float(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def resolve_precision(cfg: TrainConfig, info: DistInfo) -> tuple[TrainConfig, str]:
+    """`cfg` with `auto` replaced by the choice, made on rank 0 for every rank; and why."""
+    if cfg.precision != "auto":
+        return cfg, f"{cfg.precision} (--precision {cfg.precision})"
+    choice = from_main(choose_precision(cfg, info.device) if info.is_main else None)
+    assert choice is not None  # rank 0 always decides
+    precision: Literal["fp32", "bf16"] = "bf16" if choice.precision == "bf16" else "fp32"
+    return replace(cfg, precision=precision), choice.describe()

@@ -129,3 +129,4 @@ class Run:
     compile_seconds: float = 0.0
     compile_base: Any = None  # compile counters right after warm-up
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # text <-> ids for samples
+    precision_note: str = ""  # the precision and why (auto's choice and its measured ratio)
