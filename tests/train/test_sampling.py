@@ -58,3 +58,18 @@ def test_bad_sampling_values_are_one_line_errors(model_file, capsys, flag, value
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("isotrain sample: error: ") and message in err and "try" in err
+
+
+def test_the_end_of_run_prompt_is_whole_lines_of_the_validation_data() -> None:
+    import numpy as np
+
+    from isotrain.train.sampling import prompt_from
+    from isotrain.train.tokenizer import ByteTokenizer
+
+    text = "".join(f"line {i}: value = {i * i}\n" for i in range(200))
+    val = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)
+    tok = ByteTokenizer()
+    a = prompt_from(val, tok, seed=3)
+    assert a == prompt_from(val, tok, seed=3) != prompt_from(val, tok, seed=4)
+    assert a.endswith("\n") and a.startswith("line ") and a in text
+    assert all(line in text.splitlines() for line in a.splitlines())

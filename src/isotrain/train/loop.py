@@ -37,7 +37,7 @@ from isotrain.train.precision import resolve_precision
 from isotrain.train.report import MetricsWriter, Reporter
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
 from isotrain.train.rundir import lock_run
-from isotrain.train.sampling import sample
+from isotrain.train.sampling import prompt_from, sample
 from isotrain.train.snapshot import find_snapshots
 from isotrain.train.state import Batches, Run, TrainState, bucket_lengths
 from isotrain.train.step import evaluate, precision_context, train_step
@@ -320,8 +320,9 @@ def _finish(
     cfg, st = run.cfg, run.state
     save_run(run)
     if cfg.sample_tokens:
-        text = sample(run.model, "def ", cfg.sample_tokens, tokenizer=run.tokenizer, seed=cfg.seed)
-        reporter.line("sample:\n" + "def " + text)
+        prompt = prompt_from(run.batches.corpus.val, run.tokenizer, seed=cfg.seed)
+        text = sample(run.model, prompt, cfg.sample_tokens, tokenizer=run.tokenizer, seed=cfg.seed)
+        reporter.line("sample (prompt from the validation data, then the model):\n" + prompt + text)
     summary = {
         "steps": st.step,
         "tokens_seen": st.tokens_seen,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from isotrain.contexts import eval_mode
@@ -11,7 +12,7 @@ from isotrain.train.config import ConfigError
 from isotrain.train.model import GPT
 from isotrain.train.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["check_sampling", "sample", "samples"]
+__all__ = ["check_sampling", "prompt_from", "sample", "samples"]
 
 
 def check_sampling(
@@ -102,3 +103,16 @@ def sample(
         top_p=top_p,
         seed=seed,
     )[0]
+
+
+def prompt_from(tokens: np.ndarray, tokenizer: Tokenizer, *, seed: int, window: int = 64) -> str:
+    """A few whole lines from `tokens` (e.g. the validation split) at a seeded position: a
+    prompt in the corpus's own style, so the sample shows what the model learned of it."""
+    if len(tokens) <= window:
+        return tokenizer.decode(torch.as_tensor(np.asarray(tokens[:window], dtype=np.int64)))
+    start = int(np.random.default_rng(seed).integers(0, len(tokens) - window))
+    piece = np.asarray(tokens[start : start + window], dtype=np.int64)
+    text = tokenizer.decode(torch.as_tensor(piece))
+    lines = text.split("\n")
+    whole = [ln for ln in lines[1:-1] if ln.strip()]  # the first and last lines are cut
+    return "\n".join(whole) + "\n" if whole else text
