@@ -29,6 +29,7 @@ __all__ = [
     "is_dynamo_error",
     "is_recompile_error",
     "recompile_limit_at_least",
+    "scaler_has_unscaled",
     "scaler_optimizer_state",
     "scaler_scale",
     "set_compiled_call",
@@ -73,6 +74,12 @@ def scaler_optimizer_state(
 ) -> dict[str, Any]:
     """The scaler's per-optimizer record: `stage` and `found_inf_per_device`."""
     return scaler._per_optimizer_states[id(optimizer)]
+
+
+def scaler_has_unscaled(scaler: torch.amp.GradScaler, optimizer: Any) -> bool:
+    """Whether `scaler.unscale_(optimizer)` ran since the last update (reads, never creates)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"].name == "UNSCALED"
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

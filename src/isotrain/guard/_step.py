@@ -22,10 +22,12 @@ from torch import nn
 from isotrain._torch_private import (
     foreach_norms,
     group_by_device_and_dtype,
+    scaler_has_unscaled,
     scaler_optimizer_state,
     scaler_scale,
     supports_found_inf,
 )
+from isotrain.guard._optim import optimizer_chain, optimizer_params
 from isotrain.guard._outcome import (
     _FLAG_CODES,
     SkipReason,
@@ -44,10 +46,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def safe_backward(
@@ -74,7 +72,7 @@ def safe_backward(
     (scaler.scale(loss) if scaling else loss).backward()  # type: ignore[union-attr]
     if scaling:
         scaler.unscale_(optimizer)  # type: ignore[union-attr]
-    norm = nn.utils.clip_grad_norm_(_optimizer_params(optimizer), max_norm)
+    norm = nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_norm)
     if not bool(torch.isfinite(norm)):  # sync: as above
         log.warning("non-finite gradient norm: skipping the step")
         optimizer.zero_grad(set_to_none=True)
@@ -98,7 +96,7 @@ def _named_trainable(
     if isinstance(model, nn.Module):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     else:
-        params = list(model) if model is not None else _optimizer_params(optimizer)
+        params = list(model) if model is not None else optimizer_params(optimizer)
         named = [(f"param{i}", p) for i, p in enumerate(params)]
     if not named:
         raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
@@ -122,6 +120,9 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class StepGuard:
     """Sync-free guarded optimizer step: unscale, clip, decide on device, apply or skip, count.
+
+    `optimizer` may be wrapped (Lightning Fabric, HF Accelerate, your own forwarding class): the
+    guard steps what you pass and skips on the torch optimizer inside (NOTE [wrapped optimizers]).
 
     Example::
 
@@ -147,15 +148,22 @@ class StepGuard:
         process_group: Any = None,
         skip_mode: str = "auto",
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"StepGuard needs a torch.optim.Optimizer, got {type(optimizer)}")
+        if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")):
+            raise TypeError(
+                f"StepGuard needs a torch.optim.Optimizer (or a wrapper of one, with step() and "
+                f"zero_grad()), got {type(optimizer).__name__}"
+            )
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm}")
         self.optimizer, self.max_norm, self.process_group = optimizer, max_norm, process_group
+        # NOTE [wrapped optimizers]: step the object given, decide on the torch optimizer inside
+        self.chain = optimizer_chain(optimizer)
+        self.inner = self.chain[-1]
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.names, self.params = _named_trainable(model, optimizer)
+        self.names, self.params = _named_trainable(model, self.inner)
         dev = self.device = self.params[0].device
-        self.skip_mode = self._resolve_mode(skip_mode, optimizer, dev)
+        self._warned: set[str] = set()
+        self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
@@ -182,12 +190,11 @@ class StepGuard:
             [torch.tensor(int(r), device=dev) for r in SkipReason],
         )
         self._select = (
-            None if self.host else SelectiveStep(optimizer, self.skip_mode, dev, self._warn_once)
+            None if self.host else SelectiveStep(self.chain, self.skip_mode, dev, self._warn_once)
         )
         self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_order` order
         # (present, order): norm j belongs to names[present[order[j]]]; resolved when read
         self._grad_order: tuple[list[int], list[int]] = ([], [])
-        self._warned: set[str] = set()
         # Tests set this to isotrain.testing.forbid_host_sync; it wraps the sync-free phases.
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
@@ -253,14 +260,27 @@ class StepGuard:
         applied_t, reason_t = self._consts
         return StepOutcome(applied_t[reason], reason_t[reason], norm_g, loss32, scale)
 
-    @staticmethod
-    def _resolve_mode(mode: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
-        fused = supports_found_inf(optimizer)
+    def _resolve_mode(self, mode: str, device: torch.device) -> str:
+        inner = self.inner
+        if mode not in ("auto", "host", "select", "found_inf"):
+            raise ValueError(
+                f"unknown skip_mode {mode!r}: use 'auto', 'select', 'host' or 'found_inf'"
+            )
+        if not isinstance(inner, torch.optim.Optimizer):  # its state is out of our sight
+            if mode != "host" and not (mode == "auto" and device.type == "cpu"):
+                self._warn_once(
+                    "mode",
+                    f"{type(inner).__name__} is not a torch.optim.Optimizer and holds none, so "
+                    f"skip_mode={mode!r} cannot see its state: using 'host' (skips by not "
+                    "calling step(); one host sync per step on an accelerator)",
+                )
+            return "host"
+        fused = supports_found_inf(inner)
         if mode == "auto":
             return "host" if device.type == "cpu" else "found_inf" if fused else "select"
-        if mode not in ("host", "select", "found_inf") or (mode == "found_inf" and not fused):
+        if mode == "found_inf" and not fused:
             raise ValueError(
-                f"skip_mode={mode!r} is not available for {type(optimizer).__name__} "
+                f"skip_mode='found_inf' is not available for {type(inner).__name__} "
                 f"(fused={fused}): use 'auto', 'select', 'host', or 'found_inf' with fused=True"
             )
         return mode
@@ -273,9 +293,12 @@ class StepGuard:
         if current is None:
             raise RuntimeError("StepGuard: call scaler.scale(loss).backward() before guard.step")
         scale = current.detach().float().clone()  # before update() changes it in place
-        state = scaler_optimizer_state(sc, self.optimizer)
-        if state["stage"].name != "UNSCALED":  # the user may have unscaled already
-            sc.unscale_(self.optimizer)
+        # The user or their framework may have unscaled through any level of a wrapped optimizer.
+        key = next((o for o in self.chain if scaler_has_unscaled(sc, o)), self.inner)
+        self._scaler_key = key
+        state = scaler_optimizer_state(sc, key)
+        if state["stage"].name != "UNSCALED":
+            sc.unscale_(key)
         infs = [
             t.to(self.device, non_blocking=True) for t in state["found_inf_per_device"].values()
         ]
@@ -339,7 +362,7 @@ class StepGuard:
     def _agree_found_inf(self, overflow: torch.Tensor) -> None:
         """Make every rank's GradScaler.update() see the agreed overflow flag."""
         sc: Any = self.scaler
-        for t in scaler_optimizer_state(sc, self.optimizer)["found_inf_per_device"].values():
+        for t in scaler_optimizer_state(sc, self._scaler_key)["found_inf_per_device"].values():
             t.copy_(overflow)
 
     def _world(self) -> int:
