@@ -34,6 +34,7 @@ __all__ = [
     "scaler_scale",
     "set_compiled_call",
     "supports_found_inf",
+    "tensor_version",
     "tree_leaves",
 ]
 
@@ -87,6 +88,12 @@ def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         g.get("fused") for g in optimizer.param_groups
     )
+
+
+# -- tensors ----------------------------------------------------------------------------------
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place write counter (BatchNorm kernels update statistics without it)."""
+    return t._version
 
 
 # -- pytrees ----------------------------------------------------------------------------------

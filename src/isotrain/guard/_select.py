@@ -57,11 +57,8 @@ class SelectiveStep:
         warn: Callable[[str, str], None],
     ) -> None:
         # chain: the optimizer as given (what `step()` is called on) down to the torch optimizer
-        self.optimizer, self.inner = chain[0], chain[-1]
+        self.chain, self.optimizer, self.inner = chain, chain[0], chain[-1]
         self.mode, self.device, self._warn = mode, device, warn
-        states = [getattr(o, "state", None) for o in chain]
-        unique = {id(s): s for s in states if isinstance(s, dict)}  # wrappers often forward it
-        self._states: list[dict[Any, Any]] = list(unique.values())
         self._src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
         self._copies: list[torch.Tensor] = []
 
@@ -81,15 +78,18 @@ class SelectiveStep:
     def _snapshot(self) -> tuple[list[Any], list[tuple[dict[str, Any], Any, Any]]]:
         """Copy params and optimizer state tensors that the step may change (non-fused path)."""
         fresh, host_state, tensors = [], [], []
+        # Read every step: load_state_dict (a rollback, a resume) replaces `state` objects.
+        found = [getattr(o, "state", None) for o in self.chain]
+        states = list({id(s): s for s in found if isinstance(s, dict)}.values())  # often shared
         for group in self.inner.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue  # torch.optim leaves params without grads untouched
                 tensors.append(p)
-                for states in self._states:
-                    state = states.get(p)
+                for owner in states:
+                    state = owner.get(p)
                     if not state:
-                        fresh.append((states, p))  # state created by this step: dropped on a skip
+                        fresh.append((owner, p))  # state created by this step: dropped on a skip
                         continue
                     for key, value in state.items():
                         if torch.is_tensor(value):
