@@ -28,6 +28,7 @@ __all__ = [
     "has_triton",
     "is_dynamo_error",
     "is_recompile_error",
+    "non_persistent_buffer_names",
     "recompile_limit_at_least",
     "scaler_has_unscaled",
     "scaler_optimizer_state",
@@ -94,6 +95,11 @@ def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
 def tensor_version(t: torch.Tensor) -> int:
     """The tensor's in-place write counter (BatchNorm kernels update statistics without it)."""
     return t._version
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Names of `module`'s own buffers registered with persistent=False (not in its state dict)."""
+    return set(module._non_persistent_buffers_set)
 
 
 # -- pytrees ----------------------------------------------------------------------------------

@@ -1,17 +1,15 @@
 """Non-finite and spike guard: decide on the device, skip by selection, count, never sync.
 
-``safe_backward`` is the seed's simple API (it syncs: it returns a Python bool). ``StepGuard``
-is the guarded step for real loops: finiteness and spikes are decided on the device and the
-update is applied or skipped by *selection* (:mod:`isotrain.guard_select`), with no
-host-device synchronization. Skip reasons and the outcome record are in
-:mod:`isotrain.guard_outcome`, the spike window in :mod:`isotrain.guard_spikes`; provenance,
-rollback and fault injection in :mod:`isotrain.guard_recovery`.
+``StepGuard`` is the guarded step for real loops: finiteness and spikes are decided on the device
+and the update is applied or skipped by *selection* (`_select`), with no host-device
+synchronization. Skip reasons and the outcome record are in `_outcome`, the spike window in
+`_spikes`, wrapped optimizers in `_optim`, buffer protection in `_buffers`; provenance, rollback
+and fault injection in `_recovery`; the seed's syncing ``safe_backward`` in `_safe`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,6 +25,7 @@ from isotrain._torch_private import (
     scaler_scale,
     supports_found_inf,
 )
+from isotrain.guard._buffers import BufferGuard
 from isotrain.guard._optim import optimizer_chain, optimizer_params
 from isotrain.guard._outcome import (
     _FLAG_CODES,
@@ -38,54 +37,7 @@ from isotrain.guard._outcome import (
 from isotrain.guard._select import SelectiveStep
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
 
-__all__ = [
-    "SkipReason",
-    "StepGuard",
-    "StepOutcome",
-    "safe_backward",
-]
-
-log = logging.getLogger(__name__)
-
-
-def safe_backward(
-    loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None = None,
-    *,
-    max_norm: float = 1.0,
-) -> bool:
-    """Backward, clip, step and zero grads, unless the loss or the gradient norm is non-finite.
-
-    Returns whether the step was applied. It syncs twice per call (it branches on the host); in
-    training loops use :class:`StepGuard`, which decides on the device.
-
-    Example::
-
-        applied = safe_backward(loss_fn(model(x), y), optimizer, max_norm=1.0)
-    """
-    scaling = scaler is not None and scaler.is_enabled()
-    if not bool(torch.isfinite(loss.detach()).all()):  # sync: the seed's API branches on the host
-        log.warning("non-finite loss: skipping the step")
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    (scaler.scale(loss) if scaling else loss).backward()  # type: ignore[union-attr]
-    if scaling:
-        scaler.unscale_(optimizer)  # type: ignore[union-attr]
-    norm = nn.utils.clip_grad_norm_(optimizer_params(optimizer), max_norm)
-    if not bool(torch.isfinite(norm)):  # sync: as above
-        log.warning("non-finite gradient norm: skipping the step")
-        optimizer.zero_grad(set_to_none=True)
-        if scaling:
-            scaler.update()  # type: ignore[union-attr]  # lowers the scale on overflow
-        return False
-    if scaling:
-        scaler.step(optimizer)  # type: ignore[union-attr]
-        scaler.update()  # type: ignore[union-attr]
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return True
+__all__ = ["SkipReason", "StepGuard", "StepOutcome"]
 
 
 def _named_trainable(
@@ -123,6 +75,9 @@ class StepGuard:
 
     `optimizer` may be wrapped (Lightning Fabric, HF Accelerate, your own forwarding class): the
     guard steps what you pass and skips on the torch optimizer inside (NOTE [wrapped optimizers]).
+    With `protect_buffers=True` a skipped step also leaves the model's buffers (BatchNorm
+    statistics) as they were before its forward (NOTE [protected buffers]; `close()` removes
+    the hook this installs).
 
     Example::
 
@@ -147,6 +102,7 @@ class StepGuard:
         spike_min_samples: int = 16,
         process_group: Any = None,
         skip_mode: str = "auto",
+        protect_buffers: bool = False,
     ) -> None:
         if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")):
             raise TypeError(
@@ -165,6 +121,14 @@ class StepGuard:
         self._warned: set[str] = set()
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
+        self.buffers: BufferGuard | None = None
+        if protect_buffers:
+            if not isinstance(model, nn.Module):
+                raise ValueError(
+                    "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
+                    f"argument to find its buffers, got {type(model).__name__}"
+                )
+            self.buffers = BufferGuard(model, self._warn_once)
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
             self.spikes = (
@@ -218,6 +182,8 @@ class StepGuard:
         assert self._select is not None  # built for every device mode
         self._select.run(ok, self.sync_check)
         with self.sync_check():
+            if self.buffers is not None:
+                self.buffers.settle(ok, host=False)
             if self.scaler is not None:
                 self.scaler.update()
             self._count(reason, [norm_g, loss32, scale])
@@ -248,6 +214,8 @@ class StepGuard:
             if self.max_norm is not None and grads and not _clip_is_one(self.max_norm, norm, nf):
                 nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
             self.optimizer.step()
+        if self.buffers is not None:
+            self.buffers.settle(ok, host=True)
         if self.scaler is not None:
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
@@ -407,6 +375,11 @@ class StepGuard:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"StepGuard: {message}", stacklevel=3)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook `protect_buffers=True` installed on the model."""
+        if self.buffers is not None:
+            self.buffers.close()
 
     # -- reading and state ----------------------------------------------------------------
     @property
