@@ -24,11 +24,10 @@ def load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_isotrain_example_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
+    # Registered for good: dataclasses, pickling and torch.compile (tracing a function of this
+    # module from a frame of another) look modules up by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
     return module
 
 

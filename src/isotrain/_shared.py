@@ -7,6 +7,7 @@ Private to isotrain: the pattern packages import it, users reach `find_blocks` t
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,7 @@ __all__ = [
     "find_blocks",
     "find_forward",
     "install_forward",
+    "outside_stacklevel",
     "remove_forward",
     "restore_rng",
     "restore_training_flags",
@@ -123,12 +125,14 @@ class ForwardWrapper:
 
     def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
         self.module, self.inner = module, inner
+        # The class's forward, held as a function: tracing it needs no import of its module.
+        self.base: Callable[..., Any] = type(module).forward
 
     def call_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The forward this wrapper replaced: an earlier instance forward, or the class's."""
         if self.inner is not None:
             return self.inner(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        return self.base(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call_inner(*args, **kwargs)
@@ -214,6 +218,23 @@ def cuda_devices(obj: Any) -> list[int]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return sorted(found)
+
+
+# ---------------------------------------------------------------------------- warnings
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def outside_stacklevel() -> int:
+    """`warnings.warn` stacklevel, for the caller of this function, that names the first frame
+    outside torch and isotrain: the user's line, however deep the module call chain."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 1
 
 
 # --------------------------------------------------------------------------------- RNG

@@ -29,6 +29,7 @@ __all__ = [
     "is_dynamo_error",
     "is_recompile_error",
     "non_persistent_buffer_names",
+    "recompile_limit",
     "recompile_limit_at_least",
     "scaler_has_unscaled",
     "scaler_optimizer_state",
@@ -149,9 +150,17 @@ def compile_metrics() -> tuple[Any, dict[str, list[float]], Sequence[Any]]:
 
 
 def recompile_limit_at_least(n: int) -> contextlib.AbstractContextManager[Any]:
-    """Raise dynamo's per-frame recompile limit to at least `n` inside the block."""
+    """Raise dynamo's recompile limits (per frame, and accumulated) to at least `n` inside."""
     cfg = torch._dynamo.config
-    return cfg.patch(recompile_limit=max(cfg.recompile_limit, n))
+    return cfg.patch(
+        recompile_limit=max(cfg.recompile_limit, n),
+        accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, n),
+    )
+
+
+def recompile_limit() -> int:
+    """Dynamo's per-frame recompile limit now (8 unless configured)."""
+    return int(torch._dynamo.config.recompile_limit)
 
 
 def compiler_stance() -> str:

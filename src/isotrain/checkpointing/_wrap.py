@@ -21,6 +21,7 @@ from isotrain._shared import (
     buffer_slots,
     find_forward,
     install_forward,
+    outside_stacklevel,
     remove_forward,
 )
 from isotrain._torch_private import tensor_version
@@ -116,7 +117,7 @@ def _warn_cache(where: str) -> bool:
         "so); a cache built in forward would be built again when checkpointed blocks recompute "
         "in backward, so forwards with gradients now run with use_cache=False (eval and no_grad "
         "forwards keep the cache). Pass use_cache=False when training to silence this.",
-        stacklevel=5,  # the caller of model(...)
+        stacklevel=outside_stacklevel(),
     )
     return True
 
