@@ -19,6 +19,7 @@ __all__ = [
     "compile_metrics",
     "compiled_call",
     "compiler_stance",
+    "conv_forward",
     "dynamo_backends",
     "dynamo_supported",
     "eager_call",
@@ -101,6 +102,11 @@ def tensor_version(t: torch.Tensor) -> int:
 def non_persistent_buffer_names(module: nn.Module) -> set[str]:
     """Names of `module`'s own buffers registered with persistent=False (not in its state dict)."""
     return set(module._non_persistent_buffers_set)
+
+
+def conv_forward(conv: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`conv`'s convolution (padding mode, stride, groups...) of `x` with another `weight`."""
+    return conv._conv_forward(x, weight, conv.bias)  # type: ignore[operator]
 
 
 # -- pytrees ----------------------------------------------------------------------------------
