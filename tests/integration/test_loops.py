@@ -1,7 +1,8 @@
-"""The guard inside loops we did not write: Lightning Fabric, HF Accelerate, a user's own wrapper.
+"""Inside loops we did not write: Lightning Fabric, HF Accelerate, a user's own wrapper.
 
 Every skip mode against every wrapper: a NaN gradient leaves parameters, optimizer moments and
-`step` bitwise unchanged, and good steps equal an unwrapped clip + step reference.
+`step` bitwise unchanged, and good steps equal an unwrapped clip + step reference. Then all
+five patterns at once inside a Fabric and an Accelerate training loop.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from tests.integration.zoo import GPT, seeded
 from torch import nn
 
+from isotrain.autograd import quantize_linear_layers
+from isotrain.checkpointing import apply_activation_checkpointing
+from isotrain.compile import compile_model, no_recompiles, track_compiles, warmup
 from isotrain.guard import SkipReason, StepGuard
 
 fabric_mod = pytest.importorskip("lightning.fabric")
@@ -177,3 +182,33 @@ def test_a_sharding_wrapper_is_not_unwrapped() -> None:
 
     guard = StepGuard(Sharded(), a, spike_k=None, skip_mode="select")
     assert guard.chain == [guard.optimizer] and guard.inner.local is shard
+
+
+@pytest.mark.parametrize("framework", ["fabric", "accelerate"])
+def test_all_five_patterns_inside_the_frameworks_loop(fabric, accelerator, framework) -> None:
+    torch._dynamo.reset()
+    raw = seeded(GPT)
+    quantize_linear_layers(raw, bits=8, exclude=["lm_head"])
+    apply_activation_checkpointing(raw, policy="full")
+    compile_model(raw, backend="eager", dynamic=False)
+    inner = torch.optim.AdamW(raw.parameters(), lr=3e-3, fused=True)
+    model, opt = _wrappers(fabric, accelerator)[framework](raw, inner)
+    backward = fabric.backward if framework == "fabric" else accelerator.backward
+    guard = StepGuard(opt, raw, skip_mode="found_inf", protect_buffers=True)
+    data = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    x, y = data[:, :-1].contiguous(), data[:, 1:].contiguous()
+    assert warmup(raw, [(x, y)]).eager_block_calls == 0
+    losses = []
+    with no_recompiles(), track_compiles() as run:
+        for i in range(6):
+            before = _state(raw, inner)
+            _, loss = model(x, y)
+            loss = loss * (float("nan") if i == 3 else 1.0)
+            backward(loss)
+            if bool(guard.step(loss.detach()).applied):  # sync: the test reads every step
+                losses.append(loss.item())
+            else:
+                assert i == 3 and _same(_state(raw, inner), before)
+    torch._dynamo.reset()
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert run.compilations == 0 and run.compiled_block_calls == run.block_calls == 12
