@@ -114,6 +114,7 @@ class _FallbackGroup:
 
     def __init__(self, backend: object) -> None:
         self.backend, self.failed, self.retrying = backend, False, False
+        self.warned_eager = False  # an eager block call of this group was reported
         self.modules: list[nn.Module] = []
 
     def disable(self, err: BaseException) -> None:
@@ -218,7 +219,10 @@ def _eager_probe_impl(wrapper: _Compiled) -> None:
     module, group = wrapper.module, wrapper.group
     if compiled_call(module) is not None:  # dynamo ran this forward as Python
         quiet = compiler_stance().startswith("force_eager") or getattr(group, "retrying", False)
-        note_eager(module, None if quiet else eager_reason(module))
+        first = group is not None and not group.warned_eager
+        note_eager(module, None if quiet else eager_reason(module), warn=first)
+        if first and not quiet:
+            group.warned_eager = True  # one warning per compile_model call; every call counted
         return
     note_call()  # this call did not pass _GuardedCall: count it here
     if group is None and wrapper.options is not None:  # a copy: torch dropped compiled code

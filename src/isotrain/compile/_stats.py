@@ -80,8 +80,8 @@ def note_call() -> None:
     _CALLS["calls"] += 1
 
 
-def note_eager(module: nn.Module, why: str | None) -> None:
-    """A compiled block's forward ran as Python; raise inside no_recompiles(), else warn once.
+def note_eager(module: nn.Module, why: str | None, *, warn: bool = True) -> None:
+    """A compiled block's forward ran as Python: raise inside no_recompiles(), else warn if `warn`.
 
     `why` is None when the user already heard (a compile failure's warning, a forced stance).
     """
@@ -91,7 +91,8 @@ def note_eager(module: nn.Module, why: str | None) -> None:
         return
     if _STRICT[0]:
         raise RuntimeError(f"no_recompiles(): {why}")
-    warnings.warn(why, RuntimeWarning, stacklevel=outside_stacklevel())
+    if warn:
+        warnings.warn(why, RuntimeWarning, stacklevel=outside_stacklevel())
 
 
 def eager_reason(module: nn.Module) -> str:
