@@ -34,6 +34,7 @@ __all__ = [
     "recompile_limit_at_least",
     "scaler_has_unscaled",
     "scaler_optimizer_state",
+    "scaler_pending",
     "scaler_scale",
     "set_compiled_call",
     "supports_found_inf",
@@ -84,6 +85,11 @@ def scaler_has_unscaled(scaler: torch.amp.GradScaler, optimizer: Any) -> bool:
     """Whether `scaler.unscale_(optimizer)` ran since the last update (reads, never creates)."""
     state = scaler._per_optimizer_states.get(id(optimizer))
     return state is not None and state["stage"].name == "UNSCALED"
+
+
+def scaler_pending(scaler: torch.amp.GradScaler) -> bool:
+    """Whether the scaler recorded inf checks that `update()` has not consumed yet."""
+    return any(s["found_inf_per_device"] for s in scaler._per_optimizer_states.values())
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

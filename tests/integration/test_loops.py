@@ -158,8 +158,8 @@ def test_found_inf_reaches_the_kernel_through_a_gradscaler_inside_the_wrapper(ac
             scaler.step(self._impl)
             scaler.update()
 
-    opt = ScalingWrapper(inner)
-    guard = StepGuard(opt, raw, spike_k=None, skip_mode="found_inf")
+    opt = ScalingWrapper(inner)  # the guard unscales; the wrapper's scaler.update() is the one
+    guard = StepGuard(opt, raw, scaler=scaler, spike_k=None, skip_mode="found_inf")
     scaler.scale(_loss(raw, 0)).backward()
     guard.step(torch.tensor(1.0))
     before = _state(raw, inner)
@@ -168,6 +168,7 @@ def test_found_inf_reaches_the_kernel_through_a_gradscaler_inside_the_wrapper(ac
     assert guard.step(torch.tensor(float("nan"))).reason.item() == SkipReason.NONFINITE_LOSS
     assert _same(_state(raw, inner), before)
     assert "found_inf" not in inner.__dict__ and "grad_scale" not in inner.__dict__
+    assert guard.summary()["loss_scale"] == 2.0**4  # updated once per step: no overflow seen
 
 
 def test_a_sharding_wrapper_is_not_unwrapped() -> None:

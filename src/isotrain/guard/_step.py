@@ -22,6 +22,7 @@ from isotrain._torch_private import (
     group_by_device_and_dtype,
     scaler_has_unscaled,
     scaler_optimizer_state,
+    scaler_pending,
     scaler_scale,
     supports_found_inf,
 )
@@ -184,8 +185,8 @@ class StepGuard:
         with self.sync_check():
             if self.buffers is not None:
                 self.buffers.settle(ok, host=False)
-            if self.scaler is not None:
-                self.scaler.update()
+            if self.scaler is not None and scaler_pending(self.scaler):
+                self.scaler.update()  # unless a wrapper's step already did (Accelerate fp16)
             self._count(reason, [norm_g, loss32, scale])
             self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok, reason, norm_g, loss32, scale)
@@ -216,7 +217,7 @@ class StepGuard:
             self.optimizer.step()
         if self.buffers is not None:
             self.buffers.settle(ok, host=True)
-        if self.scaler is not None:
+        if self.scaler is not None and scaler_pending(self.scaler):
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
         c = self._counts
