@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
     p.add_argument("--backend", default="eager", help='"eager", "aot_eager" or "inductor"')
     args = p.parse_args(argv)
-    steps, layers = (30, 2) if args.smoke else (300, 4)
+    steps, layers = (20, 2) if args.smoke else (300, 4)
 
     torch.manual_seed(0)
     model = build(args.model, layers)
