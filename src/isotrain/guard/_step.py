@@ -122,33 +122,18 @@ class StepGuard:
         self._warned: set[str] = set()
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
-        self.buffers: BufferGuard | None = None
-        if protect_buffers:
-            if not isinstance(model, nn.Module):
-                raise ValueError(
-                    "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
-                    f"argument to find its buffers, got {type(model).__name__}"
-                )
-            self.buffers = BufferGuard(model, self._warn_once)
+        self.buffers = self._buffer_guard(model) if protect_buffers else None
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
+            window: dict[str, Any] = {
+                "k": spike_k, "window": spike_window, "min_samples": spike_min_samples
+            }  # fmt: skip
             self.spikes = (
-                HostSpikeDetector(k=spike_k, window=spike_window, min_samples=spike_min_samples)
-                if self.host
-                else SpikeDetector(
-                    k=spike_k, window=spike_window, min_samples=spike_min_samples, device=dev
-                )
+                HostSpikeDetector(**window) if self.host else SpikeDetector(**window, device=dev)
             )
         self.steps = 0  # attempted steps (a host int: it advances every call)
         self._world_size: int | None = None
-        # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
-        # Python numbers in host mode, one device buffer each otherwise.
-        self._counts: Any = [0] * (len(SkipReason) + 2)
-        self._last: Any = [0.0] * 4
-        if not self.host:
-            self._counts = torch.zeros(len(SkipReason) + 2, dtype=torch.int64, device=dev)
-            self._last = torch.zeros(4, dtype=torch.float32, device=dev)
-            self._count_table = self._make_count_table().to(dev)
+        self._init_counters(dev)
         self._one = torch.ones((), dtype=torch.float32, device=dev)
         self._consts = (  # StepOutcome's applied / reason in host mode (shared, read-only)
             [torch.tensor(r == SkipReason.OK, device=dev) for r in SkipReason],
@@ -164,6 +149,24 @@ class StepGuard:
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
+
+    def _init_counters(self, dev: torch.device) -> None:
+        # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
+        # Python numbers in host mode, one device buffer each otherwise.
+        self._counts: Any = [0] * (len(SkipReason) + 2)
+        self._last: Any = [0.0] * 4
+        if not self.host:
+            self._counts = torch.zeros(len(SkipReason) + 2, dtype=torch.int64, device=dev)
+            self._last = torch.zeros(4, dtype=torch.float32, device=dev)
+            self._count_table = self._make_count_table().to(dev)
+
+    def _buffer_guard(self, model: Any) -> BufferGuard:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
+                f"argument to find its buffers, got {type(model).__name__}"
+            )
+        return BufferGuard(model, self._warn_once)
 
     # -- the step -------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
