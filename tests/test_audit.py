@@ -119,6 +119,21 @@ LEAKS = {
     "requires-grad": Leak(lambda s: s["model"].head.weight.requires_grad_(False),
                           "parameter 'head.weight' requires_grad: True -> False",
                           lambda s: s["model"].head.weight.requires_grad),
+    "buffer-value": Leak(lambda s: s["model"].encoder.bn.running_mean.add_(1e-30),
+                         "buffer 'encoder.bn.running_mean' changed",
+                         lambda s: s["model"].encoder.bn.running_mean.tolist()),
+    "buffer-object": Leak(lambda s: setattr(s["model"].encoder.bn, "running_var", torch.ones(4)),
+                          "buffer 'encoder.bn.running_var' replaced",
+                          lambda s: id(s["model"].encoder.bn.running_var)),
+    "buffer-nan": Leak(lambda s: s["model"].encoder.bn.running_mean.fill_(float("nan")),
+                       "buffer 'encoder.bn.running_mean' changed",
+                       lambda s: s["model"].encoder.bn.running_mean.isnan().any().item()),
+    "bn-forward": Leak(lambda s: s["model"].train()(torch.ones(8, 4)),
+                       "module 'encoder.bn' training: False -> True\n"
+                       "buffer 'encoder.bn.running_mean' changed\n"
+                       "buffer 'encoder.bn.running_var' changed\n"
+                       "buffer 'encoder.bn.num_batches_tracked' changed",
+                       lambda s: [b.tolist() for b in s["model"].buffers()]),
 }  # fmt: skip
 
 
@@ -198,6 +213,29 @@ def test_check_rng_false_ignores_rng_and_several_modules_are_prefixed() -> None:
         "module '1.encoder.bn' training: False -> True",
     ]
     assert a.training and b.encoder.bn.training is False
+
+
+def test_check_params_names_changed_values_and_gradients() -> None:
+    model = make_model()
+    model.head.weight.grad = torch.zeros_like(model.head.weight)
+    before = [p.detach().clone() for p in model.parameters()], model.head.weight.grad
+    with StateAudit(model, warn=False, check_params=True) as audit:
+        with torch.no_grad():
+            model.encoder.fc.bias.add_(1.0)
+        model.head.weight.grad = None
+        model.encoder.fc.weight.grad = torch.ones_like(model.encoder.fc.weight)
+        model.head.weight.requires_grad_(False)
+    assert audit.differences == [
+        "parameter 'head.weight' requires_grad: True -> False",
+        "parameter 'encoder.fc.weight' grad changed",
+        "parameter 'encoder.fc.bias' changed",
+        "parameter 'head.weight' grad changed",
+    ]
+    audit.restore()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before[0]))
+    assert model.head.weight.grad is before[1] and model.encoder.fc.weight.grad is None
+    with StateAudit(model, raise_on_leak=True), torch.no_grad():  # values are not read
+        model.head.bias.add_(1.0)
 
 
 def test_decorator_audits_every_call() -> None:

@@ -1,5 +1,7 @@
-"""The layout-aware bf16 linear: exact gradients, bf16 values, saved bytes, conversion, compile."""
+"""The layout-aware bf16 linear (exact gradients, bf16 values, saved bytes, conversion, compile)
+and quantization-aware training of convolutions and HF Conv1D layers."""
 
+import copy
 import platform
 import sys
 
@@ -14,10 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from isotrain.autograd import (
     Bf16Linear,
+    QuantConv2d,
     QuantLinear,
     bf16_linear,
     bf16_linear_layers,
     native_bf16_matmul,
+    quantize_layers,
     quantize_linear_layers,
 )
 from isotrain.autograd._linear import _LayoutLinear
@@ -240,3 +244,69 @@ def test_torch_func_vmap_equals_a_loop() -> None:
     for i, x in enumerate(xs):
         for g, ref in zip(got, per_sample(x, w, b)):
             assert torch.equal(g[i], ref)
+
+
+# ------------------------------------------------------------------ QAT beyond nn.Linear
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 linear layer, as transformers.pytorch_utils writes it."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf))  # (in, out): transposed
+        self.bias = nn.Parameter(torch.randn(nf))
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+def _rounded(w: Tensor, dims: tuple[int, ...], bits: int) -> Tensor:
+    """Reference: symmetric absmax rounding along `dims` (what the layers must compute)."""
+    step = w.abs().amax(dim=dims, keepdim=True) / (2 ** (bits - 1) - 1)
+    return torch.round(w / step) * step
+
+
+def test_convolutions_and_hf_conv1d_quantize_each_output_channel(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), Conv1D(5, 2))
+    keys, x = list(model.state_dict()), torch.randn(2, 3, 4, 2)
+    report = quantize_layers(model, bits=4)
+    assert report.converted == ("0", "1") and report.skipped == ()
+    assert isinstance(model[0], QuantConv2d) and isinstance(model[1], Conv1D)  # still a Conv1D
+    assert type(model[1]).__name__ == "QuantConv1D" and list(model.state_dict()) == keys
+    conv, lin = model
+    w_conv = _rounded(conv.weight.detach(), (1, 2, 3), 4)  # per output channel: dim 0
+    w_lin = _rounded(lin.weight.detach(), (0,), 4)  # per output channel: the columns
+    h = F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), w_conv, conv.bias)
+    ref = torch.addmm(lin.bias, h.reshape(-1, 2), w_lin).view(2, 4, 4, 5)  # over the last dim
+    torch.testing.assert_close(model(x), ref)
+    torch.save(model, tmp_path / "q.pt")  # the made-up QuantConv1D class pickles by its base
+    for twin in (torch.load(tmp_path / "q.pt", weights_only=False), copy.deepcopy(model)):
+        assert type(twin[1]) is type(model[1]) and torch.equal(twin(x), model(x))
+    quantize_layers(model, bits=4, exclude=["1"])
+    assert type(model[1]) is Conv1D  # excluded on a second call: back to the base class
+
+
+def test_the_report_says_what_was_kept_and_why_and_nothing_converted_warns() -> None:
+    model = nn.ModuleDict({
+        "emb": nn.Embedding(10, 8), "attn": nn.MultiheadAttention(8, 2),
+        "up": nn.ConvTranspose2d(8, 8, 2), "conv": nn.Conv2d(8, 8, 1), "head": nn.Linear(8, 10),
+    })  # fmt: skip
+    said = r"(?s)converted no layer of ModuleDict: .*kept head \(Linear\): excluded by 'head'"
+    with pytest.warns(UserWarning, match=said):
+        report = quantize_layers(model, bits=8, kinds=("linear",), exclude=["head"])
+    assert report.converted == ()
+    assert dict((n, why) for n, _, why in report.skipped) == {
+        "emb": "an embedding (a lookup, not a product): kept in full precision",
+        "attn.out_proj": "a subclass of nn.Linear (NonDynamicallyQuantizableLinear) whose "
+        "forward may be bypassed (nn.MultiheadAttention reads out_proj.weight)",
+        "up": "a transposed convolution: not supported",
+        "conv": "a conv layer; kinds=('linear',) leaves it out",
+        "head": "excluded by 'head'",
+    }
+    with pytest.warns(UserWarning, match=said):
+        assert quantize_linear_layers(model, bits=8, exclude=["head"]) is model
+    assert quantize_layers(model, bits=8).converted == ("conv", "head")
+    with pytest.raises(ValueError, match="kinds must hold 'linear' and/or 'conv'"):
+        quantize_layers(model, bits=8, kinds=("attention",))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from isotrain.compile import BucketBatchSampler, bucket_for, default_buckets, pad_to_bucket
 
@@ -89,3 +90,23 @@ def test_bucket_batch_sampler_collates_with_pad_to_bucket():
     assert widths == {(2, 16), (2, 64)}
     with pytest.raises(ValueError, match=r"lengths\[1\] = 1: a document needs at least 2"):
         BucketBatchSampler([5, 1], batch_size=2, buckets=(16,))
+
+
+def test_padding_matches_the_losss_ignore_index_nanogpt_uses_minus_one():
+    torch.manual_seed(0)
+    docs = [torch.randint(0, 10, (n,)) for n in (9, 5, 3)]
+    logits_of = torch.nn.Embedding(10, 10)  # a stand-in causal model: next-token logits per input
+
+    def nanogpt_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # as nanoGPT's model.py
+        logits = logits_of(x)
+        return F.cross_entropy(logits.view(-1, 10), y.view(-1), ignore_index=-1)
+
+    x, y, lengths = pad_to_bucket(docs, buckets=(4, 8), ignore_index=-1)
+    unpadded = torch.cat(
+        [F.cross_entropy(logits_of(d[:-1]), d[1:], reduction="none") for d in docs]
+    )
+    torch.testing.assert_close(nanogpt_loss(x, y), unpadded.mean())
+    assert int(lengths.sum()) == unpadded.numel()
+    x, y, _ = pad_to_bucket(docs, buckets=(4, 8))  # the default -100 does not match that loss
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        nanogpt_loss(x, y)

@@ -21,7 +21,9 @@ from isotrain.checkpointing import (
     remove_activation_checkpointing,
     selective_policy,
 )
-from isotrain.checkpointing import _policy as ac_policy
+from isotrain.checkpointing import _wrap as ac_wrap
+from isotrain.checkpointing._wrap import is_checkpointed
+from isotrain.contexts import StateAudit
 
 D, H, L, T, B, V = 32, 4, 4, 16, 2, 64
 UNIT = B * T * D * 4  # bytes of one fp32 (B, T, D) activation
@@ -198,7 +200,7 @@ def test_grad_mode_alone_decides_whether_blocks_checkpoint(
         entered[0] += 1
         return checkpoint(*args, **kwargs)
 
-    monkeypatch.setattr(ac_policy, "checkpoint", counting_checkpoint)
+    monkeypatch.setattr(ac_wrap, "checkpoint", counting_checkpoint)
     for training in (True, False):
         model.train(training)
         entered[0], calls[:] = 0, [0] * L
@@ -341,3 +343,99 @@ def test_selective_policy_with_plain_checkpoint() -> None:
     (g_ref,) = torch.autograd.grad(fn(x), w)
     (g,) = torch.autograd.grad(checkpoint(fn, x, use_reentrant=False, context_fn=ctx), w)
     assert torch.equal(g, g_ref)
+
+
+# ------------------------------------------------------------------------------- buffers
+class ConvBlock(nn.Module):
+    """BatchNorm (statistics written by the kernel) plus a counter and an EMA written in Python."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.drop = nn.Dropout(0.2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(c))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.drop(F.relu(self.bn(self.conv(x)))) * scale
+        with torch.no_grad():
+            self.calls += 1
+            self.ema.lerp_(y.mean((0, 2, 3)), 0.1)
+        return x + y, y.mean()  # a tuple output
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4))
+        self.layers = nn.Sequential(*(ConvBlock(4) for _ in range(4)))  # no ModuleList
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        x, aux = self.stem(x), 0.0
+        for block in self.layers:
+            x, a = block(x, scale=scale)
+            aux = aux + a
+        return x.mean((2, 3)) + aux
+
+
+def conv_net() -> tuple[ConvNet, torch.Tensor]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return ConvNet(), torch.randn(2, 3, 8, 8)
+
+
+def conv_step(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """One training forward + backward; every buffer, gradient and the output after it."""
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        out = model(x, scale=0.5)
+        out.square().sum().backward()
+    return [out.detach(), *model.buffers(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("policy", ["full", "selective", "every:2", "budget:60%"])
+def test_checkpointed_step_leaves_every_buffer_as_the_unwrapped_one(policy: str) -> None:
+    model, x = conv_net()
+    ref = conv_step(copy.deepcopy(model), x)
+    apply_activation_checkpointing(
+        model, policy=policy, modules=(ConvBlock,), example_inputs=(x,), example_kwargs={}
+    )
+    got = conv_step(model, x)
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert int(model.layers[0].calls) == 1 and int(model.layers[0].bn.num_batches_tracked) == 1
+
+
+def test_measuring_and_budget_planning_leave_all_training_state_alone() -> None:
+    model, x = conv_net()
+    conv_step(model, x)  # gradients and statistics exist
+    model.layers[1].eval()  # a mixed mode must survive too
+    with StateAudit(model, raise_on_leak=True, check_params=True):
+        report = measure_activation_memory(
+            model, x, example_kwargs={"scale": 0.5}, modules=(ConvBlock,), loss_fn=torch.sum
+        )
+        apply_activation_checkpointing(
+            model, policy="budget:70%", modules=(ConvBlock,), example_inputs=x
+        )
+    assert report.total_bytes > 0 and report.blocks[0].name == "layers.0"
+    with pytest.raises(ValueError, match=r"example_inputs=\(x,\) and/or example_kwargs"):
+        apply_activation_checkpointing(model, policy="budget:1MB", modules=(ConvBlock,))
+
+
+def test_blocks_in_a_sequential_are_found_by_type_and_the_error_says_so() -> None:
+    model, _ = conv_net()
+    with pytest.raises(ValueError, match=r"modules=\(ConvBlock,\)"):
+        apply_activation_checkpointing(model, policy="full")
+    apply_activation_checkpointing(model, policy="full", modules=(ConvBlock,))
+    assert all(is_checkpointed(b) for b in model.layers)
+
+
+def test_checkpointed_model_survives_pickle_and_deepcopy(tmp_path) -> None:
+    model, x = conv_net()
+    ref = conv_step(copy.deepcopy(model), x)
+    apply_activation_checkpointing(model, policy="selective", modules=(ConvBlock,))
+    torch.save(model, tmp_path / "model.pt")
+    twins = [torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model)]
+    for twin in twins:
+        assert all(is_checkpointed(b) for b in twin.layers)
+        assert twin.layers[0].forward.module is twin.layers[0]  # bound to the copy
+        assert all(torch.equal(a, b) for a, b in zip(conv_step(twin, x), ref))

@@ -279,12 +279,20 @@ def test_bucketing_compiles_once_per_bucket_then_never_recompiles():
     unbucketed = compile_model(TinyGPT(), backend="eager", dynamic=False)
     n_lengths = len({max(len(d) for d in docs) - 1 for docs in batches})
     limit = len(buckets) + 2  # below the default 8 to keep the test short; same behaviour
-    with torch._dynamo.config.patch(recompile_limit=limit), track_compiles() as storm:
+    with (
+        torch._dynamo.config.patch(recompile_limit=limit),
+        track_compiles() as storm,
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
         for docs in batches:  # forward only: the graphs are what we count
             unbucketed(pad_to_bucket(docs, buckets=(max(len(d) for d in docs) - 1,))[0])
     assert n_lengths > len(buckets)
     assert storm.compilations == min(n_lengths, limit) > stats.compilations
     assert (storm.recompile_limit_hits > 0) is (n_lengths > limit)
+    said = [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+    assert len(said) == 1 and storm.eager_block_calls > 0  # past the limit: eager, said once
+    assert "recompile limit" in said[0] and "size mismatch" in said[0]
 
 
 def test_automatic_dynamic_shapes_without_buckets():
@@ -439,3 +447,50 @@ def test_inductor_per_block_compile_matches_eager(inductor_cache):
     assert list(model.state_dict()) == list(ref.state_dict())
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ coverage and copies
+class Scaled(nn.Module):
+    """A block whose int attribute dynamo specialises on: one graph per block."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.lin, self.i = nn.Linear(4, 4), i
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.i
+
+
+def test_blocks_past_the_recompile_limit_are_counted_refused_then_covered_by_warmup():
+    x = torch.randn(2, 4)
+    model = compile_model(nn.Sequential(*map(Scaled, range(6))), modules=(Scaled,), backend="eager")
+    said = r"recompile limit .* self\.module\.i == \d \# return"  # the guard, whitespace folded
+    with torch._dynamo.config.patch(recompile_limit=4):
+        with pytest.warns(RuntimeWarning, match=said) as caught, track_compiles() as stats:
+            model(x)
+        assert caught[0].filename == __file__  # the warning names the user's line
+        assert (stats.block_calls, stats.eager_block_calls) == (6, 2)
+        assert stats.eager_blocks == ["Scaled x2"]
+        with no_recompiles(), pytest.raises(RuntimeError, match=r"no_recompiles\(\): a compiled"):
+            model(x)  # dynamo itself stays silent here: the frame only runs what it cached
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=4):
+        stats = warmup(model, [x], also_eval=True)  # raises the limit to 6 blocks x 2 modes
+        assert stats.eager_block_calls == 0 and stats.compiled_block_calls == 12
+        with no_recompiles(), track_compiles() as steady:
+            model(x).sum().backward()
+    assert steady.compiled_block_calls == 6 and steady.compilations == 0
+
+
+def test_compiled_model_survives_deepcopy_and_pickle(tmp_path):
+    model = compile_model(TinyGPT(), backend="eager", dynamic=False)
+    x = _tokens(2, 8)
+    ref = model(x)
+    torch.save(model, tmp_path / "m.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "m.pt", weights_only=False)):
+        with track_compiles() as first:
+            assert torch.equal(twin(x), ref)  # torch dropped the compiled code: eager, once
+        with track_compiles() as second:
+            assert torch.equal(twin(x), ref)
+        assert first.eager_block_calls == 2 and second.compiled_block_calls == 2
+        assert all(_compiled(b) for b in twin.blocks)

@@ -24,11 +24,10 @@ def load(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"_isotrain_example_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up here
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
+    # Registered for good: dataclasses, pickling and torch.compile (tracing a function of this
+    # module from a frame of another) look modules up by name.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
     return module
 
 
@@ -117,6 +116,20 @@ def check_cpu_bf16(capsys: pytest.CaptureFixture[str]) -> None:
     assert abs(float(b1) - float(a1)) <= 0.01 * float(a1)  # the same arithmetic, to bf16 rounding
 
 
+def check_hf_transformers(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    with pytest.warns(UserWarning, match="now run with use_cache=False"):  # HF's default, said
+        out = run("hf_transformers", capsys)
+    assert "quantized 8 layer(s), left 3" in out and "excluded by 'lm_head'" in out
+    assert "step 3: skipped (NONFINITE_LOSS)" in out and "params finite: True" in out
+    first, last = grab(rf"train loss {NUM} -> {NUM}", out)
+    assert float(last) < float(first) - 1.0
+    compiled, calls, eager = grab(r"after warm-up: 0 compilations, (\d+) of (\d+) block calls "
+                                  r"compiled, eager block calls: (\d+)", out)  # fmt: skip
+    assert compiled == calls and int(calls) > 0 and eager == "0"
+    assert "state leaks: none" in out
+
+
 CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "seed_loop": check_seed_loop,
     "qat_finetune": check_qat_finetune,
@@ -124,6 +137,7 @@ CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "nan_guard": check_nan_guard,
     "compile_buckets": check_compile_buckets,
     "cpu_bf16": check_cpu_bf16,
+    "hf_transformers": check_hf_transformers,
 }
 
 

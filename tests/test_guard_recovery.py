@@ -1,4 +1,4 @@
-"""Provenance, failure cases, rollback and fault injection around StepGuard."""
+"""Provenance, failure cases, rollback, fault injection and buffer protection around StepGuard."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tests.test_guard import assert_same, loss_of, make_model
 from torch import nn
 
+from isotrain.contexts import eval_mode
 from isotrain.guard import (
     FaultInjector,
     Rollback,
@@ -19,6 +21,7 @@ from isotrain.guard import (
     nonfinite_grads,
     save_failure_case,
 )
+from isotrain.testing import forbid_host_sync
 
 
 class LogOfInput(nn.Module):
@@ -149,3 +152,80 @@ def test_fault_injector_is_deterministic_and_leaves_global_rng_alone():
     assert nan.isnan()
     with pytest.raises(ValueError, match='kind "nan" or "inf"'):
         FaultInjector(kind="zero")
+
+
+# -- protect_buffers: a skipped step leaves BatchNorm statistics as they were --------------------
+def bn_net() -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Flatten(), nn.Linear(4 * 6 * 6, 3),
+        )  # fmt: skip
+
+
+def images(i: int, *, poisoned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    if poisoned:
+        x[1, 0, 2, 2] = float("nan")  # one pixel of one image
+    return x, y
+
+
+def buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("mode", ["host", "select", "found_inf"])
+def test_protect_buffers_undoes_a_skipped_steps_statistics(mode) -> None:
+    model, ref = bn_net(), bn_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=mode == "found_inf")
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=mode == "found_inf")
+    guard = StepGuard(opt, model, spike_k=None, skip_mode=mode, protect_buffers=True)
+    if mode != "host":
+        guard.sync_check = forbid_host_sync
+    for step in range(4):
+        poisoned = step == 2
+        before = buffers(model)
+        for half in (0, 1):  # two micro-batches: the copy is taken at the first forward
+            x, y = images(10 * step + half, poisoned=poisoned)
+            F.cross_entropy(model(x), y).backward()
+        outcome = guard.step(torch.tensor(float("nan") if poisoned else 1.0))
+        if poisoned:
+            assert not outcome.applied
+            assert all(torch.equal(a, b) for a, b in zip(buffers(model), before))
+            continue
+        for half in (0, 1):  # the reference sees the good steps only, without the guard
+            x, y = images(10 * step + half)
+            F.cross_entropy(ref(x), y).backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(buffers(model), buffers(ref)))
+    with eval_mode(model):
+        assert model(images(99)[0]).isfinite().all()
+
+
+def test_without_protect_buffers_a_nan_image_poisons_the_statistics() -> None:
+    model = bn_net()
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, spike_k=None)
+    x, y = images(0, poisoned=True)
+    F.cross_entropy(model(x), y).backward()
+    assert not guard.step(torch.tensor(float("nan"))).applied
+    assert model[1].running_mean.isnan().all()  # what protect_buffers prevents
+
+
+def test_protect_buffers_warns_without_a_forward_and_survives_copies(tmp_path) -> None:
+    model = bn_net()
+    x, y = images(0)
+    F.cross_entropy(model(x), y).backward()  # before the guard exists: nothing captured
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, protect_buffers=True)
+    with pytest.warns(UserWarning, match="protect_buffers: no forward of the model ran"):
+        guard.step(torch.tensor(1.0))
+    torch.save(model, tmp_path / "m.pt")  # the hook holds the guard weakly and pickles inert
+    for twin in (torch.load(tmp_path / "m.pt", weights_only=False), copy.deepcopy(model)):
+        assert torch.equal(twin(x), model(x))
+    with pytest.raises(ValueError, match="protect_buffers=True needs the model"):
+        StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), protect_buffers=True)
+    guard.close()
+    assert not model._forward_pre_hooks

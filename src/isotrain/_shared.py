@@ -6,9 +6,11 @@ Private to isotrain: the pattern packages import it, users reach `find_blocks` t
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -16,10 +18,17 @@ from torch import nn
 
 __all__ = [
     "BlockSpec",
+    "ForwardWrapper",
     "all_cuda_devices",
+    "buffer_slots",
+    "buffers_restored",
     "capture_rng",
     "cuda_devices",
     "find_blocks",
+    "find_forward",
+    "install_forward",
+    "outside_stacklevel",
+    "remove_forward",
     "restore_rng",
     "restore_training_flags",
     "rng_differences",
@@ -80,9 +89,118 @@ def find_blocks(
     if not chosen:
         raise ValueError(
             f"found no {purpose} in {type(model).__name__}: looked for {looked_for}. "
-            "Pass modules=(YourBlock,) or a predicate (name, module) -> bool"
+            f"Pass modules={_suggest(model)} or a predicate (name, module) -> bool"
         )
     return chosen
+
+
+def _suggest(model: nn.Module) -> str:
+    """`modules=` text naming the class that repeats most among containers' children (ResNet's
+    BasicBlock in an nn.Sequential), or a placeholder when nothing repeats."""
+    counts: dict[type[nn.Module], int] = {}
+    for mod in model.modules():
+        if isinstance(mod, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            for child in mod.children():
+                if not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+                    counts[type(child)] = counts.get(type(child), 0) + 1
+    best = max(counts.items(), key=lambda kv: kv[1], default=(None, 0))
+    if best[0] is None or best[1] < 2:
+        return "(YourBlock,)"
+    name, n = best[0].__name__, best[1]
+    return f"({name},) ({name} repeats {n} times; blocks in an nn.Sequential need naming)"
+
+
+# ------------------------------------------------------------------------ forward wrappers
+# NOTE [instance forwards]
+# Checkpointing and compile change what a block's forward does without changing its class,
+# type(), repr or state-dict keys: they set `module.forward` (an instance attribute, which
+# nn.Module.__call__ prefers over the class's) to a ForwardWrapper. A wrapper is a plain object
+# of a module-level class holding the module and the instance forward it replaced, so
+# copy.deepcopy and torch.save(model) / torch.load(weights_only=False) carry it along (a bound
+# method of a module-level function cannot be unpickled: pickle looks the function up on the
+# instance). Wrappers stack; each kind can be removed from anywhere in the stack. Dynamo
+# traces a wrapper's __call__ like any forward, and shares one graph across blocks.
+class ForwardWrapper:
+    """Base of the forwards isotrain installs on a module instance: NOTE [instance forwards]."""
+
+    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.module, self.inner = module, inner
+        # The class's forward, held as a function: tracing it needs no import of its module.
+        self.base: Callable[..., Any] = type(module).forward
+
+    def call_inner(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward this wrapper replaced: an earlier instance forward, or the class's."""
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return self.base(self.module, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call_inner(*args, **kwargs)
+
+
+def install_forward(module: nn.Module, wrapper: type[ForwardWrapper], *args: Any) -> Any:
+    """Set `module.forward = wrapper(module, <current instance forward>, *args)`; return it."""
+    made = wrapper(module, module.__dict__.get("forward"), *args)
+    module.forward = made
+    return made
+
+
+def find_forward(module: nn.Module, kind: type[ForwardWrapper]) -> Any:
+    """The installed wrapper of type `kind` on `module`, or None."""
+    fn = module.__dict__.get("forward")
+    while isinstance(fn, ForwardWrapper):
+        if isinstance(fn, kind):
+            return fn
+        fn = fn.inner
+    return None
+
+
+def remove_forward(module: nn.Module, kind: type[ForwardWrapper]) -> bool:
+    """Take every wrapper of type `kind` out of `module`'s forward stack; whether one was."""
+    removed, outer, fn = False, None, module.__dict__.get("forward")
+    while isinstance(fn, ForwardWrapper):
+        if isinstance(fn, kind):
+            removed = True
+            if outer is not None:
+                outer.inner = fn.inner
+            elif fn.inner is not None:
+                module.forward = fn.inner
+            else:
+                del module.__dict__["forward"]
+        else:
+            outer = fn
+        fn = fn.inner
+    return removed
+
+
+# ----------------------------------------------------------------------------- buffers
+def buffer_slots(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str]]:
+    """`(owner, name)` of every buffer under `modules`, each tensor once, in model order."""
+    seen: set[int] = set()
+    out = []
+    for root in modules:
+        for owner in root.modules():
+            for name, buf in owner.named_buffers(recurse=False):
+                if id(buf) not in seen:
+                    seen.add(id(buf))
+                    out.append((owner, name))
+    return out
+
+
+@contextlib.contextmanager
+def buffers_restored(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Put every buffer's value back on exit, in place (BatchNorm statistics, counters)."""
+    saved = [(o, n, getattr(o, n).clone()) for o, n in buffer_slots(modules)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, value in saved:
+                current = getattr(owner, name)
+                if current is None or current.shape != value.shape:
+                    setattr(owner, name, value)  # replaced meanwhile: put the old one back
+                else:
+                    current.copy_(value)
 
 
 # ----------------------------------------------------------------------------- devices
@@ -100,6 +218,23 @@ def cuda_devices(obj: Any) -> list[int]:
         elif isinstance(item, dict):
             stack.extend(item.values())
     return sorted(found)
+
+
+# ---------------------------------------------------------------------------- warnings
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def outside_stacklevel() -> int:
+    """`warnings.warn` stacklevel, for the caller of this function, that names the first frame
+    outside torch and isotrain: the user's line, however deep the module call chain."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR)):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return 1
 
 
 # --------------------------------------------------------------------------------- RNG

@@ -19,6 +19,7 @@ __all__ = [
     "compile_metrics",
     "compiled_call",
     "compiler_stance",
+    "conv_forward",
     "dynamo_backends",
     "dynamo_supported",
     "eager_call",
@@ -28,11 +29,16 @@ __all__ = [
     "has_triton",
     "is_dynamo_error",
     "is_recompile_error",
+    "non_persistent_buffer_names",
+    "recompile_limit",
     "recompile_limit_at_least",
+    "scaler_has_unscaled",
     "scaler_optimizer_state",
+    "scaler_pending",
     "scaler_scale",
     "set_compiled_call",
     "supports_found_inf",
+    "tensor_version",
     "tree_leaves",
 ]
 
@@ -75,11 +81,38 @@ def scaler_optimizer_state(
     return scaler._per_optimizer_states[id(optimizer)]
 
 
+def scaler_has_unscaled(scaler: torch.amp.GradScaler, optimizer: Any) -> bool:
+    """Whether `scaler.unscale_(optimizer)` ran since the last update (reads, never creates)."""
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"].name == "UNSCALED"
+
+
+def scaler_pending(scaler: torch.amp.GradScaler) -> bool:
+    """Whether the scaler recorded inf checks that `update()` has not consumed yet."""
+    return any(s["found_inf_per_device"] for s in scaler._per_optimizer_states.values())
+
+
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step()` honours `optimizer.found_inf` (the fused Adam/AdamW/SGD)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         g.get("fused") for g in optimizer.param_groups
     )
+
+
+# -- tensors ----------------------------------------------------------------------------------
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's in-place write counter (BatchNorm kernels update statistics without it)."""
+    return t._version
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Names of `module`'s own buffers registered with persistent=False (not in its state dict)."""
+    return set(module._non_persistent_buffers_set)
+
+
+def conv_forward(conv: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`conv`'s convolution (padding mode, stride, groups...) of `x` with another `weight`."""
+    return conv._conv_forward(x, weight, conv.bias)  # type: ignore[operator]
 
 
 # -- pytrees ----------------------------------------------------------------------------------
@@ -129,9 +162,17 @@ def compile_metrics() -> tuple[Any, dict[str, list[float]], Sequence[Any]]:
 
 
 def recompile_limit_at_least(n: int) -> contextlib.AbstractContextManager[Any]:
-    """Raise dynamo's per-frame recompile limit to at least `n` inside the block."""
+    """Raise dynamo's recompile limits (per frame, and accumulated) to at least `n` inside."""
     cfg = torch._dynamo.config
-    return cfg.patch(recompile_limit=max(cfg.recompile_limit, n))
+    return cfg.patch(
+        recompile_limit=max(cfg.recompile_limit, n),
+        accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, n),
+    )
+
+
+def recompile_limit() -> int:
+    """Dynamo's per-frame recompile limit now (8 unless configured)."""
+    return int(torch._dynamo.config.recompile_limit)
 
 
 def compiler_stance() -> str:

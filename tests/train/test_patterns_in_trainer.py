@@ -9,6 +9,7 @@ import torch
 from isotrain.autograd import QuantLinear
 from isotrain.autograd import _linear as autograd_linear
 from isotrain.train import config as C
+from isotrain.train import loop
 from isotrain.train.loop import setup, train
 from isotrain.train.report import read_metrics
 from isotrain.train.step import train_step
@@ -116,3 +117,29 @@ def test_cpu_bf16_uses_layout_linears_with_the_same_losses(tmp_path, monkeypatch
     assert losses["layout"] == pytest.approx(losses["stock"], rel=1e-2)
     assert losses["ckpt"] == losses["layout"]  # recomputation repeats the same products
     assert type(setup(_cfg(tmp_path / "fp32")).model.lm_head).__name__ == "Linear"
+
+
+def test_a_skipped_step_leaves_the_models_buffers_as_before_its_forward(
+    tmp_path, monkeypatch
+) -> None:
+    # The trainer's GPT has no buffers; give it one its forward writes (as BatchNorm does).
+    build = loop.build_model
+
+    def count(module: torch.nn.Module, args: tuple, out: object) -> None:
+        module.tokens_seen.add_(args[0].numel())
+
+    def with_counter(cfg: C.ModelConfig) -> torch.nn.Module:
+        model = build(cfg)
+        model.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
+        model.register_forward_hook(count)
+        return model
+
+    monkeypatch.setattr(loop, "build_model", with_counter)
+    run = setup(_cfg(tmp_path, guard=C.GuardConfig(inject_nan_at=(2,))))
+    assert run.updater.guard.buffers is not None  # protect_buffers is on in the trainer
+    seen = []
+    for _ in range(3):
+        train_step(run)
+        seen.append(int(run.model.tokens_seen))
+    tokens = seen[0]
+    assert tokens > 0 and seen == [tokens, tokens, 2 * tokens]  # step 2 was skipped

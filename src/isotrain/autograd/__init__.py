@@ -11,7 +11,16 @@ from isotrain.autograd._linear import (
     bf16_linear_layers,
     native_bf16_matmul,
 )
-from isotrain.autograd._ops import QuantLinear, fused_fake_quantize, quantize_linear_layers
+from isotrain.autograd._ops import fused_fake_quantize
+from isotrain.autograd._qat import (
+    QuantConv1d,
+    QuantConv2d,
+    QuantConv3d,
+    QuantLinear,
+    QuantReport,
+    quantize_layers,
+    quantize_linear_layers,
+)
 from isotrain.autograd._ste import (
     LSQQuantizer,
     StraightThroughEstimator,
@@ -26,7 +35,11 @@ from isotrain.autograd._ste import (
 __all__ = [
     "Bf16Linear",
     "LSQQuantizer",
+    "QuantConv1d",
+    "QuantConv2d",
+    "QuantConv3d",
     "QuantLinear",
+    "QuantReport",
     "StraightThroughEstimator",
     "bf16_linear",
     "bf16_linear_layers",
@@ -36,6 +49,7 @@ __all__ = [
     "lsq_quantize",
     "native_bf16_matmul",
     "quantize",
+    "quantize_layers",
     "quantize_linear_layers",
     "round_ste",
     "sign_ste",

@@ -1,21 +1,17 @@
 """A fused fake-quantize ``torch.library.custom_op`` and quantization-aware training layers.
 
 ``fused_fake_quantize`` is the compile-safe custom-op twin of ``isotrain.autograd.fake_quantize``
-and the template for wrapping your own kernel. ``quantize_linear_layers`` turns a model's
-``nn.Linear`` layers into ``QuantLinear`` in place for quantization-aware training (QAT).
+and the template for wrapping your own kernel. Quantization-aware training layers are in `_qat`.
 """
 
-import fnmatch
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from isotrain.autograd._ste import _LSQ, Gradient, _check_bits, _check_gradient, _check_range
+from isotrain.autograd._ste import Gradient, _check_bits, _check_gradient, _check_range
 
-__all__ = ["QuantLinear", "fused_fake_quantize", "quantize_linear_layers"]
+__all__ = ["fused_fake_quantize"]
 
 # NOTE [custom op template]
 # To make your own kernel (CUDA, Triton, a C++ extension, or a fused composite as here)
@@ -115,106 +111,3 @@ def fused_fake_quantize(
     _check_range(lo, hi)
     n_levels = 2 ** _check_bits(bits)
     return _FuncBridge.apply(x, float(lo), float(hi), n_levels, clipped)
-
-
-def _absmax_fake_quant(t: Tensor, dim: int, qmax: int) -> Tensor:
-    # Symmetric levels {-qmax..qmax} * s, s = absmax / qmax along `dim`: a detached statistic,
-    # so no gradient flows into the scale, and zero is exact. The range holds every value, so
-    # the STE is the identity (a float test of |t / s| <= qmax would wrongly clip the maximum).
-    amax = t.detach().abs().amax(dim=dim, keepdim=True)
-    scale = (amax / qmax).clamp_min(torch.finfo(t.dtype).tiny)  # all-zero rows stay zero
-    return _LSQ.apply(t, scale, qmax, qmax, 0.0, False)
-
-
-def _check_qat(bits: int, gradient: str) -> None:
-    _check_gradient(gradient)
-    if _check_bits(bits) < 2:
-        raise ValueError(
-            "QuantLinear needs bits >= 2 (symmetric levels need a positive one); "
-            "for binary weights use isotrain.autograd.sign_ste."
-        )
-
-
-class QuantLinear(nn.Linear):
-    """``nn.Linear`` whose forward fake-quantizes its weight and, optionally, its input.
-
-    Weights: symmetric, per output channel, step ``absmax(row) / (2**(bits-1) - 1)``.
-    Inputs (``activations=True``): the same, per token (over the last dim). Gradients are
-    straight-through; absmax ranges clip nothing, so ``gradient="clipped"`` and ``"identity"``
-    coincide (the option mirrors ``fake_quantize``). Same parameters and state-dict keys as
-    ``nn.Linear``. Example::
-
-        layer = QuantLinear(64, 32, bits=4, activations=True)
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        bits: int = 8,
-        activations: bool = False,
-        gradient: Gradient = "clipped",
-    ) -> None:
-        super().__init__(in_features, out_features, bias, device, dtype)
-        self.configure(bits=bits, activations=activations, gradient=gradient)
-
-    def configure(
-        self, *, bits: int, activations: bool = False, gradient: Gradient = "clipped"
-    ) -> "QuantLinear":
-        """Set the quantization options (plain attributes: nothing enters the state dict)."""
-        _check_qat(bits, gradient)
-        self.bits, self.activations, self.gradient = bits, bool(activations), gradient
-        return self
-
-    def forward(self, x: Tensor) -> Tensor:
-        qmax = 2 ** (self.bits - 1) - 1
-        w = _absmax_fake_quant(self.weight, 1, qmax)  # steps: (out, 1)
-        if self.activations:
-            x = _absmax_fake_quant(x, -1, qmax)  # steps: (..., 1)
-        return F.linear(x, w, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, bits={self.bits}, activations={self.activations}"
-
-
-# NOTE [in-place QAT conversion]
-# quantize_linear_layers changes each layer's class (`module.__class__ = QuantLinear`, the
-# mechanism torch.nn.utils.parametrize uses) instead of building new modules. The module
-# object stays the same, so its Parameters, tied weights (a GPT LM head sharing the token
-# embedding), hooks, an optimizer's param groups and state-dict keys all stay valid, and a
-# snapshot loads into the unquantized model. Only exact nn.Linear and QuantLinear instances
-# change: subclasses may not use `forward` (nn.MultiheadAttention's out_proj does not).
-# Convert before activation checkpointing and compile.
-
-
-def quantize_linear_layers(
-    model: nn.Module,
-    *,
-    bits: int,
-    activations: bool = False,
-    gradient: Gradient = "clipped",
-    exclude: Iterable[str] = (),
-) -> nn.Module:
-    """Turn every ``nn.Linear`` of ``model`` into ``QuantLinear`` in place; return ``model``.
-
-    ``exclude`` holds fnmatch patterns of module names to keep in full precision. A second call
-    reconfigures: afterwards exactly the non-excluded linear layers are ``QuantLinear`` with the
-    new options (an excluded ``QuantLinear`` becomes ``nn.Linear`` again). Example::
-
-        quantize_linear_layers(gpt, bits=8, exclude=["lm_head"])
-    """
-    _check_qat(bits, gradient)  # validate before touching any layer
-    patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    for name, module in model.named_modules():  # shared modules are visited once
-        if type(module) not in (nn.Linear, QuantLinear):
-            continue
-        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            module.__class__ = nn.Linear  # excluded now: back to full precision
-        else:
-            module.__class__ = QuantLinear
-            module.configure(bits=bits, activations=activations, gradient=gradient)
-    return model

@@ -12,8 +12,8 @@ from isotrain.checkpointing._policy import (
     apply_activation_checkpointing,
     parse_policy,
     remove_activation_checkpointing,
-    selective_policy,
 )
+from isotrain.checkpointing._selective import selective_policy
 
 __all__ = [
     "ACPolicy",

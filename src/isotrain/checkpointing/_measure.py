@@ -15,48 +15,12 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from isotrain._shared import BlockSpec, cuda_devices, find_blocks
+from isotrain._shared import BlockSpec, buffers_restored, cuda_devices, find_blocks
+from isotrain._torch_private import tree_leaves
+from isotrain.checkpointing._state import _Recorder, _State
+from isotrain.checkpointing._wrap import is_checkpointed
 
 __all__ = ["BlockStats", "MemoryReport", "measure_activation_memory"]
-
-
-# NOTE [measurement state]: checkpointed forwards read these two switches as plain class
-# attributes, which dynamo reads and guards on simply. They are set only inside measurement
-# calls and restored in `finally`; measuring is therefore not thread-safe: one thread at a time.
-class _State:
-    """Process-wide switches read by checkpointed forwards (plain attributes: dynamo-friendly)."""
-
-    bypass: bool = False  # run wrapped modules without checkpoint (baseline FLOPs)
-    recorder: _Recorder | None = None  # active byte tally, or None
-
-
-class _Recorder:
-    """Tallies unique saved storages, attributing each to the innermost running block."""
-
-    def __init__(self, exclude_ptrs: set[int]) -> None:
-        self.exclude = exclude_ptrs
-        self.seen: set[int] = set()
-        self.bytes: dict[str, int] = {}
-        self.stack: list[str] = []
-
-    def add(self, t: torch.Tensor) -> None:
-        if not isinstance(t, torch.Tensor) or t.is_meta or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self.exclude or ptr in self.seen:
-            return
-        self.seen.add(ptr)
-        where = self.stack[-1] if self.stack else ""
-        self.bytes[where] = self.bytes.get(where, 0) + storage.nbytes()
-
-
-def note_cached_outputs(out: Any) -> None:
-    """Count tensors a selective-checkpoint cache keeps (they bypass saved-tensor hooks)."""
-    rec = _State.recorder
-    if rec is not None:
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            rec.add(t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,14 +125,16 @@ def _scoped_grads(model: nn.Module) -> Iterator[None]:
 
 
 def _default_loss(out: Any) -> torch.Tensor:
-    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    """Sum of every output tensor with a gradient (tuples, dicts, HF ModelOutput alike)."""
     floats = [
-        t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()
+        t.float().sum()
+        for t in tree_leaves(out)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
     ]
     if not floats:
         raise ValueError(
-            "measure_activation_memory needs a floating-point output to backpropagate from; "
-            "pass loss_fn=lambda out: ... returning a scalar tensor."
+            "measure_activation_memory needs a floating-point output with a gradient to "
+            "backpropagate from; pass loss_fn=lambda out: ... returning a scalar tensor."
         )
     return torch.stack(floats).sum()
 
@@ -226,27 +192,35 @@ def _pack(rec: _Recorder) -> Callable[[torch.Tensor], torch.Tensor]:
 def measure_activation_memory(
     model: nn.Module,
     *example_inputs: Any,
+    example_kwargs: dict[str, Any] | None = None,
     modules: BlockSpec = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     recompute: bool = True,
 ) -> MemoryReport:
     """Measure saved-activation bytes per block and the recompute FLOPs of the current wrapping.
 
-    Runs forward+backward under a forked RNG, restoring parameter gradients, so training state
-    is untouched; `recompute=True` adds an unwrapped pass for `recompute_flops` (skip it when
-    the unwrapped model would not fit).
+    Runs `model(*example_inputs, **example_kwargs)` forward and backward under a forked RNG,
+    restoring parameter gradients and every buffer (BatchNorm statistics), so training state is
+    untouched; `recompute=True` adds an unwrapped pass for `recompute_flops` (skip it when the
+    unwrapped model would not fit).
 
     Example:
         >>> report = measure_activation_memory(model, x, modules=(Block,))
+        >>> hf = measure_activation_memory(gpt2, example_kwargs={"input_ids": x, "labels": x})
         >>> print(report)             # per-block table, totals, FLOPs
-        >>> report.total_bytes
     """
     blocks = find_blocks(model, modules, purpose="blocks to measure")
     loss_fn = loss_fn or _default_loss
-    devices = [torch.device("cuda", i) for i in cuda_devices(example_inputs)]
-    with torch.random.fork_rng(devices=devices), _scoped_grads(model), torch.enable_grad():
+    kwargs = dict(example_kwargs or {})
+    devices = [torch.device("cuda", i) for i in cuda_devices((example_inputs, kwargs))]
+    with (
+        torch.random.fork_rng(devices=devices),
+        _scoped_grads(model),
+        buffers_restored([model]),
+        torch.enable_grad(),
+    ):
         base_alloc = _cuda_reset(devices)
-        out, saved, fwd_flops, counter = profile_forward(model, blocks, example_inputs)
+        out, saved, fwd_flops, counter = profile_forward(model, blocks, example_inputs, kwargs)
         forward = counter.get_total_flops()
         with _flop_counter() as bwd_counter:
             loss_fn(out).backward()
@@ -255,7 +229,7 @@ def measure_activation_memory(
         plain = None
         if recompute:
             with _bypass_checkpointing(), _flop_counter() as plain:
-                loss_fn(model(*example_inputs)).backward()
+                loss_fn(model(*example_inputs, **kwargs)).backward()
     backward = bwd_counter.get_total_flops()
     stats = tuple(
         BlockStats(n, saved.get(n, 0), fwd_flops.get(n, 0), is_checkpointed(m)) for n, m in blocks
@@ -268,13 +242,6 @@ def measure_activation_memory(
         recompute_flops=None if plain is None else forward + backward - plain.get_total_flops(),
         peak_bytes=peak,
     )
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether `module` runs under activation checkpointing (isotrain wrapping or the block)."""
-    if "_isotrain_ac" in module.__dict__:
-        return True
-    return getattr(module, "checkpoint_mode", "none") != "none"
 
 
 def _cuda_reset(devices: list[torch.device]) -> dict[torch.device, int]:

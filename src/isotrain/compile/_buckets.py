@@ -89,8 +89,9 @@ def pad_to_bucket(
     ``(B, L)``, ``(B, L)``, ``(B,)`` with ``L`` the smallest bucket holding the longest one.
 
     A sequence of ``n`` tokens gives ``n - 1`` (input, target) positions; padded inputs hold
-    ``pad_id`` and padded targets hold ``ignore_index``, so a causal model's loss with
-    ``ignore_index`` equals the loss on the unpadded sequences. ``lengths`` counts real
+    ``pad_id`` and padded targets hold ``ignore_index``, so a causal model's loss with the same
+    ``ignore_index`` equals the loss on the unpadded sequences: pass your loss's value
+    (``F.cross_entropy`` defaults to -100; nanoGPT's model uses -1). ``lengths`` counts real
     positions (use ``lengths.sum()`` for tokens/s). ``truncate=True`` cuts sequences longer
     than the largest bucket instead of raising.
 

@@ -1,62 +1,44 @@
-"""torch.compile without recompile storms: in-place per-block compile with an eager fallback,
-recompile accounting, one warm-up compile per length bucket, then no recompiles allowed.
+"""torch.compile in place, block by block, with an eager fallback and no silent eager runs.
 
 Example::
 
     model = compile_model(model, dynamic=False)       # compiles each block of model.blocks
     shapes = [torch.zeros(8, L, dtype=torch.long) for L in default_buckets(256)]
     stats = warmup(model, shapes)                      # one compile per bucket, timed apart
-    with no_recompiles():                              # any new graph now raises
+    with no_recompiles():                              # any new graph or eager block raises
         train(model)
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
 import sysconfig
-import time
+import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain._shared import (
-    BlockSpec,
-    cuda_devices,
-    find_blocks,
-    restore_training_flags,
-    training_flags,
-)
+from isotrain._shared import BlockSpec, ForwardWrapper, find_blocks, find_forward, install_forward
 from isotrain._torch_private import (
-    compile_metrics,
     compiled_call,
+    compiler_stance,
     dynamo_backends,
     dynamo_supported,
     eager_call,
     has_triton,
     is_dynamo_error,
     is_recompile_error,
-    recompile_limit_at_least,
     set_compiled_call,
-    tree_leaves,
 )
+from isotrain.compile._stats import eager_reason, note_call, note_eager
 
-__all__ = [
-    "CompileAvailability",
-    "CompileStats",
-    "compile_available",
-    "compile_counters",
-    "compile_model",
-    "no_recompiles",
-    "track_compiles",
-    "warmup",
-]
+__all__ = ["CompileAvailability", "compile_available", "compile_model", "compiled_blocks"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +113,8 @@ class _FallbackGroup:
     """The modules of one compile_model call: they fall back to eager together."""
 
     def __init__(self, backend: object) -> None:
-        self.backend, self.failed = backend, False
+        self.backend, self.failed, self.retrying = backend, False, False
+        self.warned_eager = False  # an eager block call of this group was reported
         self.modules: list[nn.Module] = []
 
     def disable(self, err: BaseException) -> None:
@@ -150,25 +133,121 @@ class _FallbackGroup:
 
 
 class _GuardedCall:
-    __slots__ = ("compiled", "group", "module")
+    """What `module(...)` runs once compiled: counts the call, falls back on compile failure."""
+
+    __slots__ = ("compiled", "fallback", "group", "module")
 
     def __init__(
-        self, module: nn.Module, compiled: Callable[..., Any], group: _FallbackGroup
+        self, module: nn.Module, compiled: Callable[..., Any], group: _FallbackGroup, fallback: bool
     ) -> None:
-        self.module, self.compiled, self.group = module, compiled, group
+        self.module, self.compiled, self.group, self.fallback = module, compiled, group, fallback
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        note_call()
+        if not self.fallback:
+            return self.compiled(*args, **kwargs)
         try:
             return self.compiled(*args, **kwargs)
         except Exception as err:
             if not is_dynamo_error(err) or is_recompile_error(err):
                 raise
+            self.group.retrying = True  # the eager rerun below is ours, not dynamo's fallback
             try:
                 out = eager_call(self.module, *args, **kwargs)
             except Exception as eager_err:
                 raise eager_err from err  # the user's error: keep the compiled path
+            finally:
+                self.group.retrying = False
             self.group.disable(err)
             return out
+
+
+# NOTE [eager block calls]
+# Dynamo compiles the first frame past nn.Module's own call machinery, which is the module's
+# forward; when that frame hits dynamo's recompile limit, later calls matching no cached graph
+# run the Python forward with no word (4 of 12 GPT-2 blocks, 6 of 16 ResNet blocks). So
+# compile_model puts a small forward in front of each block's (NOTE [instance forwards]): its
+# first line `if not torch.compiler.is_compiling(): ...` is folded away when dynamo traces it,
+# and runs only when the forward runs as Python, i.e. eagerly. Then it counts the call and says
+# why (raising inside no_recompiles). Each block class gets its own copy of that code object,
+# because dynamo keeps graphs and the recompile limit per code object, as it does per class
+# forward without us. A copied or unpickled model (torch drops compiled code on both) compiles
+# again with the same options at its first call.
+class _Compiled(ForwardWrapper):
+    """A compiled block's forward: notices when it runs eagerly (NOTE [eager block calls])."""
+
+    def __init__(
+        self, module: nn.Module, inner: Any, options: dict[str, Any] | None, group: Any
+    ) -> None:
+        super().__init__(module, inner)
+        self.options, self.group = options, group
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            _eager_probe(self)
+        return self.call_inner(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        backend = (self.options or {}).get("backend")
+        options = self.options if isinstance(backend, str) else None  # a callable may not pickle
+        return (_rebuild, (self.module, self.inner, options))
+
+
+_CLASSES: dict[type[nn.Module], type[_Compiled]] = {}
+
+
+def _compiled_class(cls: type[nn.Module]) -> type[_Compiled]:
+    """`_Compiled` with a `__call__` code object of its own for block class `cls`."""
+    made = _CLASSES.get(cls)
+    if made is None:
+        call: Any = _Compiled.__call__
+        name = f"{cls.__name__}_compiled_forward"
+        code = call.__code__.replace(co_name=name)
+        if hasattr(code, "co_qualname"):
+            code = code.replace(co_qualname=name)
+        fn = types.FunctionType(code, call.__globals__, name, call.__defaults__, call.__closure__)
+        made = type(f"_Compiled_{cls.__name__}", (_Compiled,), {"__call__": fn})
+        _CLASSES[cls] = made
+    return made
+
+
+def _rebuild(module: nn.Module, inner: Any, options: dict[str, Any] | None) -> _Compiled:
+    return _compiled_class(type(module))(module, inner, options, None)
+
+
+def _eager_probe_impl(wrapper: _Compiled) -> None:
+    module, group = wrapper.module, wrapper.group
+    if compiled_call(module) is not None:  # dynamo ran this forward as Python
+        quiet = compiler_stance().startswith("force_eager") or getattr(group, "retrying", False)
+        first = group is not None and not group.warned_eager
+        note_eager(module, None if quiet else eager_reason(module), warn=first)
+        if first and not quiet:
+            group.warned_eager = True  # one warning per compile_model call; every call counted
+        return
+    note_call()  # this call did not pass _GuardedCall: count it here
+    if group is None and wrapper.options is not None:  # a copy: torch dropped compiled code
+        _compile(module, wrapper.options, _FallbackGroup(wrapper.options["backend"]), True)
+        note_eager(module, None)  # compiled again from its next call
+        return
+    why = None  # else the compile failure was reported when it happened
+    if group is None:
+        why = (
+            f"a copy of a compiled {type(module).__name__} block runs eagerly: copying and "
+            "pickling drop compiled code, and its backend (not a name) cannot be pickled; "
+            "call compile_model on the copy"
+        )
+        wrapper.group = _FallbackGroup(None)
+        wrapper.group.failed = True  # said once
+    note_eager(module, why)
+
+
+# Never traced (the branch calling it folds away) and never compiled as a frame of its own.
+_eager_probe: Callable[[_Compiled], None] = torch.compiler.disable(_eager_probe_impl)
+
+
+def compiled_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`(name, module)` of every module compile_model compiled inside `model`."""
+    return [(n, m) for n, m in model.named_modules() if find_forward(m, _Compiled) is not None]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -224,194 +303,24 @@ def compile_model(
         )
         return model
     group = _FallbackGroup(backend)
-    kwargs: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
+    options: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if mode is not None:
-        kwargs["mode"] = mode
+        options["mode"] = mode
     for m in targets:
-        m.compile(**kwargs)
-        if fallback:
-            compiled = compiled_call(m)
-            assert compiled is not None  # m.compile() just installed it
-            set_compiled_call(m, _GuardedCall(m, compiled, group))
-            group.modules.append(m)
+        _compile(m, options, group, fallback)
     return model
 
 
-# ---------------------------------------------------------------- recompile accounting
-
-
-@dataclass
-class CompileStats:
-    """What torch.compile did: frames compiled, recompiles, graph breaks, failures, time.
-
-    ``compile_seconds`` is dynamo + backend time (forward and lazily compiled backward);
-    exclude steps with ``compiled`` true from tokens/s and report this time on its own.
-
-    Example: ``with track_compiles() as stats: step(); print(stats.recompiles)``
-    """
-
-    compilations: int = 0  # frames dynamo compiled (one per new graph)
-    recompiles: int = 0  # compilations of a frame that already held a graph
-    graph_breaks: int = 0
-    failures: int = 0  # frames dynamo gave up on (run eagerly), recompile-limit hits included
-    recompile_limit_hits: int = 0
-    compile_seconds: float = 0.0
-    wall_seconds: float = 0.0
-    recompile_reasons: list[str] = field(default_factory=list)
-
-    @property
-    def compiled(self) -> bool:
-        """True when anything was compiled: the timed work was warm-up, not a steady step."""
-        return self.compilations > 0 or self.compile_seconds > 0.0
-
-
-# Timed sections dynamo records for a frame compile and for a lazily compiled backward.
-_TIME_KEYS = ("_compile.compile_inner", "backward._backward_impl")
-
-
-def _snapshot() -> dict[str, Any]:
-    c, times, metrics = compile_metrics()
-    unimplemented = c.get("unimplemented", {})
-    return {  # "metrics" also keeps its entries alive, so their ids stay unique
-        "ok": c["frames"]["ok"],
-        "failed": c["frames"]["total"] - c["frames"]["ok"],
-        "breaks": sum(c["graph_break"].values()),
-        "limit": sum(n for k, n in unimplemented.items() if "recompile limit" in k.lower()),
-        "times": [len(times.get(k, ())) for k in _TIME_KEYS],
-        "metrics": metrics,
-        "wall": time.perf_counter(),
-    }
-
-
-def _fill(stats: CompileStats, a: dict[str, Any] | None, b: dict[str, Any]) -> CompileStats:
-    times = compile_metrics()[1]
-    a = a or {k: 0 for k in ("ok", "failed", "breaks", "limit", "wall")} | {"times": [0, 0]}
-    seen = {id(m) for m in a.get("metrics", ())}
-    stats.recompile_reasons = [
-        m.recompile_reason
-        for m in b["metrics"]
-        if id(m) not in seen and m.recompile_reason and m.fail_type is None
-    ]
-    stats.recompiles = len(stats.recompile_reasons)
-    stats.compilations = b["ok"] - a["ok"]
-    stats.failures = b["failed"] - a["failed"]
-    stats.graph_breaks = b["breaks"] - a["breaks"]
-    stats.recompile_limit_hits = b["limit"] - a["limit"]
-    stats.compile_seconds = float(
-        sum(sum(times.get(k, ())[n:]) for k, n in zip(_TIME_KEYS, a["times"], strict=True))
-    )
-    stats.wall_seconds = b["wall"] - a["wall"] if a["wall"] else 0.0
-    return stats
-
-
-def compile_counters() -> CompileStats:
-    """Totals since the process started (recompiles: among the last 64 compilations).
-
-    Example: ``print(compile_counters().recompiles)``.
-    """
-    return _fill(CompileStats(), None, _snapshot())
-
-
-@contextlib.contextmanager
-def track_compiles() -> Iterator[CompileStats]:
-    """Count what torch.compile does inside the block; the stats fill in when it exits.
-
-    Example::
-
-        with track_compiles() as stats:
-            loss = model(x).sum()
-        if stats.compiled: ...   # a warm-up step: keep it out of tokens/s
-    """
-    stats = CompileStats()
-    before = _snapshot()
-    try:
-        yield stats
-    finally:
-        _fill(stats, before, _snapshot())
-
-
-@contextlib.contextmanager
-def no_recompiles() -> Iterator[None]:
-    """Raise on any compile inside the block, recompile or first compile of a new frame
-    alike (so warm up every shape and mode first); the previous stance returns on exit.
-
-    Example: ``with no_recompiles(): train_steps(model)`` after ``warmup(...)``.
-    """
-    with torch.compiler.set_stance("fail_on_recompile"):
-        yield
-
-
-# ---------------------------------------------------------------- warm-up
-
-
-def _as_call(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, dict):
-        return (), batch
-    if isinstance(batch, (tuple, list)):
-        return tuple(batch), {}
-    return (batch,), {}
-
-
-def _scalar(out: Any) -> torch.Tensor | None:
-    """Sum of every floating tensor in ``out`` that needs a gradient, or None."""
-    leaves = tree_leaves(out)
-    parts = [t.float().sum() for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
-    return torch.stack(parts).sum() if parts else None
-
-
-@contextlib.contextmanager
-def _eval_no_grad(model: Any) -> Iterator[None]:
-    flags = training_flags([model] if isinstance(model, nn.Module) else [])
-    try:
-        if isinstance(model, nn.Module):
-            model.eval()
-        with torch.no_grad():
-            yield
-    finally:
-        restore_training_flags(flags)
-
-
-def warmup(
-    model_or_fn: nn.Module | Callable[..., Any],
-    example_batches: Iterable[Any],
-    *,
-    backward: bool = True,
-    params: Iterable[torch.Tensor] | None = None,
-    also_eval: bool = False,
-) -> CompileStats:
-    """Run one forward (+ backward) per example batch so each shape compiles now, not mid-run.
-
-    A batch is a tensor, a tuple of positional args or a dict of kwargs. Gradients go through
-    ``torch.autograd.grad``, so ``.grad``, the RNG and (for a module) buffers are left as they
-    were. ``also_eval`` adds one ``eval()`` + ``no_grad`` pass per batch (its own graphs).
-    Call it under the same autocast as training: dynamo guards on it.
-
-    Example: ``stats = warmup(model, [torch.zeros(8, L, dtype=torch.long) for L in buckets])``.
-    """
-    batches = list(example_batches)
-    module = model_or_fn if isinstance(model_or_fn, nn.Module) else None
-    if params is None and module is not None:
-        params = module.parameters()
-    elif params is None and backward:
-        raise ValueError("warmup(fn, ...) with backward=True needs params=; or backward=False")
-    wrt = [p for p in (params or ()) if p.requires_grad]
-    own_buffers = list(module.buffers()) if module is not None else []
-    buffers = [b.detach().clone() for b in own_buffers]
-    n_shapes = len(batches) * (2 if also_eval else 1)
-    with (
-        track_compiles() as stats,
-        torch.random.fork_rng(devices=cuda_devices(wrt)),
-        recompile_limit_at_least(n_shapes + 1),
-    ):
-        for batch in batches:
-            args, kwargs = _as_call(batch)
-            loss = _scalar(model_or_fn(*args, **kwargs))
-            if backward and loss is not None and wrt:
-                torch.autograd.grad(loss, wrt, allow_unused=True)
-            if also_eval:
-                with _eval_no_grad(model_or_fn):
-                    model_or_fn(*args, **kwargs)
-        with torch.no_grad():
-            for b, saved in zip(own_buffers, buffers, strict=True):
-                b.copy_(saved)
-    return stats
+def _compile(
+    module: nn.Module, options: dict[str, Any], group: _FallbackGroup, fallback: bool
+) -> None:
+    """module.compile(**options), behind the counting call and the probing forward."""
+    module.compile(**options)
+    compiled = compiled_call(module)
+    assert compiled is not None  # module.compile() just installed it
+    set_compiled_call(module, _GuardedCall(module, compiled, group, fallback))
+    group.modules.append(module)
+    if find_forward(module, _Compiled) is None:
+        install_forward(module, _compiled_class(type(module)), dict(options), group)
+    else:
+        find_forward(module, _Compiled).group = group

@@ -2,7 +2,8 @@
 
 ``StateAudit`` snapshots grad/inference/anomaly mode, autocast, default dtype, deterministic
 flags, thread count, matmul precision, compiler stance, the global RNGs and (for the modules
-you pass) every training and ``requires_grad`` flag, then names each difference at exit.
+you pass) every training and ``requires_grad`` flag and every buffer (BatchNorm statistics,
+bit for bit), optionally every parameter value and gradient too, then names each difference.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from isotrain._shared import all_cuda_devices, capture_rng, restore_rng, rng_differences
+from isotrain._shared import (
+    all_cuda_devices,
+    buffer_slots,
+    capture_rng,
+    restore_rng,
+    rng_differences,
+)
 from isotrain._torch_private import compiler_stance
 
 __all__ = ["StateAudit", "StateLeakError", "assert_isolated"]
@@ -70,6 +77,64 @@ def _module_flags(
     return mods, params
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN equals the same NaN; -0.0 differs from 0.0)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    try:
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except RuntimeError:  # a dtype or layout without a byte view: compare values
+        return torch.equal(a, b)
+
+
+class _Values:
+    """Buffers (and optionally parameters and their .grad) of the audited modules, copied."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], params: bool) -> None:
+        self.buffers: list[tuple[str, nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        names = {}
+        for i, root in enumerate(modules):
+            prefix = f"{i}." if len(modules) > 1 else ""
+            names.update({id(m): prefix + n for n, m in root.named_modules()})
+        for owner, name in buffer_slots(modules):
+            t = getattr(owner, name)
+            label = f"{names[id(owner)]}.{name}".lstrip(".")
+            self.buffers.append((label, owner, name, t, t.detach().clone()))
+        self.params: list[tuple[str, nn.Parameter, torch.Tensor, Any, Any]] = []
+        if params:
+            for label, p, _ in _module_flags(modules)[1]:
+                g = p.grad
+                self.params.append(
+                    (label, p, p.detach().clone(), g, g.clone() if g is not None else None)
+                )
+
+    def differences(self) -> list[str]:
+        out = []
+        for label, owner, name, t, saved in self.buffers:
+            now = getattr(owner, name, None)
+            if now is not t:
+                out.append(f"buffer '{label}' replaced")
+            elif not _same_bits(now.detach(), saved):
+                out.append(f"buffer '{label}' changed")
+        for label, p, saved, g, g_saved in self.params:
+            if not _same_bits(p.detach(), saved):
+                out.append(f"parameter '{label}' changed")
+            if p.grad is not g or (g is not None and not _same_bits(g, g_saved)):
+                out.append(f"parameter '{label}' grad changed")
+        return out
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for _, owner, name, t, saved in self.buffers:
+                setattr(owner, name, t)
+                t.copy_(saved)
+            for _, p, saved, g, g_saved in self.params:
+                p.copy_(saved)
+                p.grad = g
+                if g is not None:
+                    g.copy_(g_saved)
+
+
 def _restore_globals(before: dict[str, Any]) -> None:
     def changed(*labels: str) -> bool:
         return any(_GLOBALS[label]() != before[label] for label in labels)
@@ -107,6 +172,8 @@ class StateAudit:
 
     Also a decorator: ``@StateAudit(raise_on_leak=True)``. ``check_rng=False`` skips the global
     RNG states; ``warn=False`` silences the warning sent when leaks are found without raising.
+    Buffers of the modules are compared bit for bit (a copy of each is kept while active);
+    ``check_params=True`` also compares every parameter and its ``.grad`` (a copy of the model).
     """
 
     def __init__(
@@ -115,6 +182,7 @@ class StateAudit:
         raise_on_leak: bool = False,
         check_rng: bool = True,
         warn: bool = True,
+        check_params: bool = False,
     ) -> None:
         for m in modules:
             if not isinstance(m, nn.Module):
@@ -126,6 +194,7 @@ class StateAudit:
         self.raise_on_leak = raise_on_leak
         self.check_rng = check_rng
         self.warn = warn
+        self.check_params = check_params
         self.differences: list[str] = []
         self._globals: dict[str, Any] | None = None
         self._before: dict[str, Any] | None = None
@@ -137,6 +206,7 @@ class StateAudit:
         self._globals = {label: read() for label, read in _GLOBALS.items()}
         self._rng = capture_rng(all_cuda_devices(initialized_only=True)) if self.check_rng else {}
         self._mods, self._params = _module_flags(self.modules)
+        self._values = _Values(self.modules, self.check_params)
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> None:
@@ -166,7 +236,7 @@ class StateAudit:
         for label, p, before in self._params:
             if p.requires_grad != before:
                 diffs.append(f"parameter '{label}' requires_grad: {before} -> {p.requires_grad}")
-        return diffs
+        return diffs + self._values.differences()
 
     def restore(self) -> None:
         """Put back what the last audited block changed (e.g. so one leak can't cascade).
@@ -183,6 +253,7 @@ class StateAudit:
             m.training = training
         for _, p, requires_grad in self._params:
             p.requires_grad_(requires_grad)
+        self._values.restore()
 
     def __call__(self, fn: F) -> F:
         """Use as a decorator: every call of ``fn`` runs under a fresh audit like this one."""
@@ -194,6 +265,7 @@ class StateAudit:
                 raise_on_leak=self.raise_on_leak,
                 check_rng=self.check_rng,
                 warn=self.warn,
+                check_params=self.check_params,
             )
             try:
                 with audit:

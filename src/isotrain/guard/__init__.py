@@ -16,8 +16,9 @@ from isotrain.guard._recovery import (
     nonfinite_grads,
     save_failure_case,
 )
+from isotrain.guard._safe import safe_backward
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
-from isotrain.guard._step import StepGuard, safe_backward
+from isotrain.guard._step import StepGuard
 
 __all__ = [
     "FaultInjector",

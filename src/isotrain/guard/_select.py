@@ -2,7 +2,8 @@
 
 "found_inf" hands the decision to the fused kernels (the GradScaler protocol); "select" copies
 params and optimizer state before the step and selects old or new after it with `torch.where`
-(NaN-safe: selection, never multiply-by-0). StepGuard picks the mode: NOTE [skip modes].
+(NaN-safe: selection, never multiply-by-0). StepGuard picks the mode: NOTE [skip modes]. A
+wrapped optimizer is stepped as given, decided on inside: NOTE [wrapped optimizers] in `_optim`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from isotrain._torch_private import foreach_copy_
+from isotrain.guard._optim import found_inf_on
 
 __all__ = ["SelectiveStep"]
 
@@ -44,17 +46,19 @@ __all__ = ["SelectiveStep"]
 class SelectiveStep:
     """Run `optimizer.step()` so that a device bool `ok` decides, on the device, if it counts.
 
-    Example: ``SelectiveStep(opt, "select", device, warn).run(ok, contextlib.nullcontext)``
+    Example: ``SelectiveStep([opt], "select", device, warn).run(ok, contextlib.nullcontext)``
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        chain: list[Any],
         mode: str,
         device: torch.device,
         warn: Callable[[str, str], None],
     ) -> None:
-        self.optimizer, self.mode, self.device, self._warn = optimizer, mode, device, warn
+        # chain: the optimizer as given (what `step()` is called on) down to the torch optimizer
+        self.chain, self.optimizer, self.inner = chain, chain[0], chain[-1]
+        self.mode, self.device, self._warn = mode, device, warn
         self._src: list[torch.Tensor] = []  # the tensors "select" copies, and their copies
         self._copies: list[torch.Tensor] = []
 
@@ -71,23 +75,27 @@ class SelectiveStep:
         with sync_check():
             self._restore(ok)
 
-    def _snapshot(self) -> tuple[list[torch.Tensor], list[tuple[dict[str, Any], Any, Any]]]:
+    def _snapshot(self) -> tuple[list[Any], list[tuple[dict[str, Any], Any, Any]]]:
         """Copy params and optimizer state tensors that the step may change (non-fused path)."""
         fresh, host_state, tensors = [], [], []
-        for group in self.optimizer.param_groups:
+        # Read every step: load_state_dict (a rollback, a resume) replaces `state` objects.
+        found = [getattr(o, "state", None) for o in self.chain]
+        states = list({id(s): s for s in found if isinstance(s, dict)}.values())  # often shared
+        for group in self.inner.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue  # torch.optim leaves params without grads untouched
                 tensors.append(p)
-                state = self.optimizer.state.get(p)
-                if not state:
-                    fresh.append(p)  # state created by this step: dropped on a skip
-                    continue
-                for key, value in state.items():
-                    if torch.is_tensor(value):
-                        tensors.append(value)
-                    else:
-                        host_state.append((state, key, value))
+                for owner in states:
+                    state = owner.get(p)
+                    if not state:
+                        fresh.append((owner, p))  # state created by this step: dropped on a skip
+                        continue
+                    for key, value in state.items():
+                        if torch.is_tensor(value):
+                            tensors.append(value)
+                        else:
+                            host_state.append((state, key, value))
         if self.mode == "found_inf":
             return fresh, host_state  # the fused kernels honour found_inf themselves
         same = len(tensors) == len(self._src) and all(a is b for a, b in zip(tensors, self._src))
@@ -101,12 +109,8 @@ class SelectiveStep:
         if self.mode == "select":
             self.optimizer.step()
             return
-        opt: Any = self.optimizer
-        opt.grad_scale, opt.found_inf = None, (~ok).to(torch.float32)  # the GradScaler protocol
-        try:
-            opt.step()
-        finally:
-            del opt.grad_scale, opt.found_inf
+        with found_inf_on(self.inner, (~ok).to(torch.float32)):  # the GradScaler protocol
+            self.optimizer.step()
 
     def _restore(self, ok: torch.Tensor) -> None:
         if self.mode != "select":
@@ -123,18 +127,15 @@ class SelectiveStep:
                 on_device[cur.device] = ok.to(cur.device)  # sync: see NOTE [where select ...]
             torch.where(on_device[cur.device], cur, old, out=cur)  # selection, NaN-safe
 
-    def _undo_host_state(
-        self, ok: torch.Tensor, fresh: list[torch.Tensor], host_state: list[Any]
-    ) -> None:
-        state = self.optimizer.state
-        new = [p for p in fresh if any(v is not None for v in state.get(p, {}).values())]
+    def _undo_host_state(self, ok: torch.Tensor, fresh: list[Any], host_state: list[Any]) -> None:
+        new = [(s, p) for s, p in fresh if any(v is not None for v in s.get(p, {}).values())]
         changed = [(s, k, v) for s, k, v in host_state if s.get(k) is not v and s.get(k) != v]
         if not new and not changed:
             return
         if changed:
             self._warn("host", "optimizer keeps non-tensor state: each step syncs to undo it")
         if not bool(ok):  # sync: see NOTE [where select / found_inf may still sync]
-            for p in new:
-                del state[p]
+            for states, p in new:
+                del states[p]
             for s, k, v in changed:
                 s[k] = v

@@ -1,17 +1,15 @@
 """Non-finite and spike guard: decide on the device, skip by selection, count, never sync.
 
-``safe_backward`` is the seed's simple API (it syncs: it returns a Python bool). ``StepGuard``
-is the guarded step for real loops: finiteness and spikes are decided on the device and the
-update is applied or skipped by *selection* (:mod:`isotrain.guard_select`), with no
-host-device synchronization. Skip reasons and the outcome record are in
-:mod:`isotrain.guard_outcome`, the spike window in :mod:`isotrain.guard_spikes`; provenance,
-rollback and fault injection in :mod:`isotrain.guard_recovery`.
+``StepGuard`` is the guarded step for real loops: finiteness and spikes are decided on the device
+and the update is applied or skipped by *selection* (`_select`), with no host-device
+synchronization. Skip reasons and the outcome record are in `_outcome`, the spike window in
+`_spikes`, wrapped optimizers in `_optim`, buffer protection in `_buffers`; provenance, rollback
+and fault injection in `_recovery`; the seed's syncing ``safe_backward`` in `_safe`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,10 +20,14 @@ from torch import nn
 from isotrain._torch_private import (
     foreach_norms,
     group_by_device_and_dtype,
+    scaler_has_unscaled,
     scaler_optimizer_state,
+    scaler_pending,
     scaler_scale,
     supports_found_inf,
 )
+from isotrain.guard._buffers import BufferGuard
+from isotrain.guard._optim import optimizer_chain, optimizer_params
 from isotrain.guard._outcome import (
     _FLAG_CODES,
     SkipReason,
@@ -36,58 +38,7 @@ from isotrain.guard._outcome import (
 from isotrain.guard._select import SelectiveStep
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
 
-__all__ = [
-    "SkipReason",
-    "StepGuard",
-    "StepOutcome",
-    "safe_backward",
-]
-
-log = logging.getLogger(__name__)
-
-
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def safe_backward(
-    loss: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None = None,
-    *,
-    max_norm: float = 1.0,
-) -> bool:
-    """Backward, clip, step and zero grads, unless the loss or the gradient norm is non-finite.
-
-    Returns whether the step was applied. It syncs twice per call (it branches on the host); in
-    training loops use :class:`StepGuard`, which decides on the device.
-
-    Example::
-
-        applied = safe_backward(loss_fn(model(x), y), optimizer, max_norm=1.0)
-    """
-    scaling = scaler is not None and scaler.is_enabled()
-    if not bool(torch.isfinite(loss.detach()).all()):  # sync: the seed's API branches on the host
-        log.warning("non-finite loss: skipping the step")
-        optimizer.zero_grad(set_to_none=True)
-        return False
-    (scaler.scale(loss) if scaling else loss).backward()  # type: ignore[union-attr]
-    if scaling:
-        scaler.unscale_(optimizer)  # type: ignore[union-attr]
-    norm = nn.utils.clip_grad_norm_(_optimizer_params(optimizer), max_norm)
-    if not bool(torch.isfinite(norm)):  # sync: as above
-        log.warning("non-finite gradient norm: skipping the step")
-        optimizer.zero_grad(set_to_none=True)
-        if scaling:
-            scaler.update()  # type: ignore[union-attr]  # lowers the scale on overflow
-        return False
-    if scaling:
-        scaler.step(optimizer)  # type: ignore[union-attr]
-        scaler.update()  # type: ignore[union-attr]
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return True
+__all__ = ["SkipReason", "StepGuard", "StepOutcome"]
 
 
 def _named_trainable(
@@ -98,7 +49,7 @@ def _named_trainable(
     if isinstance(model, nn.Module):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     else:
-        params = list(model) if model is not None else _optimizer_params(optimizer)
+        params = list(model) if model is not None else optimizer_params(optimizer)
         named = [(f"param{i}", p) for i, p in enumerate(params)]
     if not named:
         raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
@@ -123,6 +74,12 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 class StepGuard:
     """Sync-free guarded optimizer step: unscale, clip, decide on device, apply or skip, count.
 
+    `optimizer` may be wrapped (Lightning Fabric, HF Accelerate, your own forwarding class): the
+    guard steps what you pass and skips on the torch optimizer inside (NOTE [wrapped optimizers]).
+    With `protect_buffers=True` a skipped step also leaves the model's buffers (BatchNorm
+    statistics) as they were before its forward (NOTE [protected buffers]; `close()` removes
+    the hook this installs).
+
     Example::
 
         guard = StepGuard(optimizer, model, max_norm=1.0, scaler=None)
@@ -146,28 +103,54 @@ class StepGuard:
         spike_min_samples: int = 16,
         process_group: Any = None,
         skip_mode: str = "auto",
+        protect_buffers: bool = False,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"StepGuard needs a torch.optim.Optimizer, got {type(optimizer)}")
+        if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")):
+            raise TypeError(
+                f"StepGuard needs a torch.optim.Optimizer (or a wrapper of one, with step() and "
+                f"zero_grad()), got {type(optimizer).__name__}"
+            )
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm}")
         self.optimizer, self.max_norm, self.process_group = optimizer, max_norm, process_group
+        # NOTE [wrapped optimizers]: step the object given, decide on the torch optimizer inside
+        self.chain = optimizer_chain(optimizer)
+        self.inner = self.chain[-1]
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.names, self.params = _named_trainable(model, optimizer)
+        self.names, self.params = _named_trainable(model, self.inner)
         dev = self.device = self.params[0].device
-        self.skip_mode = self._resolve_mode(skip_mode, optimizer, dev)
+        self._warned: set[str] = set()
+        self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
+        self.buffers = self._buffer_guard(model) if protect_buffers else None
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
+            window: dict[str, Any] = {
+                "k": spike_k, "window": spike_window, "min_samples": spike_min_samples
+            }  # fmt: skip
             self.spikes = (
-                HostSpikeDetector(k=spike_k, window=spike_window, min_samples=spike_min_samples)
-                if self.host
-                else SpikeDetector(
-                    k=spike_k, window=spike_window, min_samples=spike_min_samples, device=dev
-                )
+                HostSpikeDetector(**window) if self.host else SpikeDetector(**window, device=dev)
             )
         self.steps = 0  # attempted steps (a host int: it advances every call)
         self._world_size: int | None = None
+        self._init_counters(dev)
+        self._one = torch.ones((), dtype=torch.float32, device=dev)
+        self._consts = (  # StepOutcome's applied / reason in host mode (shared, read-only)
+            [torch.tensor(r == SkipReason.OK, device=dev) for r in SkipReason],
+            [torch.tensor(int(r), device=dev) for r in SkipReason],
+        )
+        self._select = (
+            None if self.host else SelectiveStep(self.chain, self.skip_mode, dev, self._warn_once)
+        )
+        self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_order` order
+        # (present, order): norm j belongs to names[present[order[j]]]; resolved when read
+        self._grad_order: tuple[list[int], list[int]] = ([], [])
+        # Tests set this to isotrain.testing.forbid_host_sync; it wraps the sync-free phases.
+        self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
+
+    def _init_counters(self, dev: torch.device) -> None:
         # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
         # Python numbers in host mode, one device buffer each otherwise.
         self._counts: Any = [0] * (len(SkipReason) + 2)
@@ -176,22 +159,14 @@ class StepGuard:
             self._counts = torch.zeros(len(SkipReason) + 2, dtype=torch.int64, device=dev)
             self._last = torch.zeros(4, dtype=torch.float32, device=dev)
             self._count_table = self._make_count_table().to(dev)
-        self._one = torch.ones((), dtype=torch.float32, device=dev)
-        self._consts = (  # StepOutcome's applied / reason in host mode (shared, read-only)
-            [torch.tensor(r == SkipReason.OK, device=dev) for r in SkipReason],
-            [torch.tensor(int(r), device=dev) for r in SkipReason],
-        )
-        self._select = (
-            None if self.host else SelectiveStep(optimizer, self.skip_mode, dev, self._warn_once)
-        )
-        self._grad_per: torch.Tensor | None = None  # per-tensor norms, in `_grad_order` order
-        # (present, order): norm j belongs to names[present[order[j]]]; resolved when read
-        self._grad_order: tuple[list[int], list[int]] = ([], [])
-        self._warned: set[str] = set()
-        # Tests set this to isotrain.testing.forbid_host_sync; it wraps the sync-free phases.
-        self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
-            contextlib.nullcontext
-        )
+
+    def _buffer_guard(self, model: Any) -> BufferGuard:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
+                f"argument to find its buffers, got {type(model).__name__}"
+            )
+        return BufferGuard(model, self._warn_once)
 
     # -- the step -------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
@@ -211,8 +186,10 @@ class StepGuard:
         assert self._select is not None  # built for every device mode
         self._select.run(ok, self.sync_check)
         with self.sync_check():
-            if self.scaler is not None:
-                self.scaler.update()
+            if self.buffers is not None:
+                self.buffers.settle(ok, host=False)
+            if self.scaler is not None and scaler_pending(self.scaler):
+                self.scaler.update()  # unless a wrapper's step already did (Accelerate fp16)
             self._count(reason, [norm_g, loss32, scale])
             self.optimizer.zero_grad(set_to_none=True)
         return StepOutcome(ok, reason, norm_g, loss32, scale)
@@ -241,7 +218,9 @@ class StepGuard:
             if self.max_norm is not None and grads and not _clip_is_one(self.max_norm, norm, nf):
                 nn.utils.clip_grads_with_norm_(self.params, self.max_norm, norm)
             self.optimizer.step()
-        if self.scaler is not None:
+        if self.buffers is not None:
+            self.buffers.settle(ok, host=True)
+        if self.scaler is not None and scaler_pending(self.scaler):
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
         c = self._counts
@@ -253,14 +232,27 @@ class StepGuard:
         applied_t, reason_t = self._consts
         return StepOutcome(applied_t[reason], reason_t[reason], norm_g, loss32, scale)
 
-    @staticmethod
-    def _resolve_mode(mode: str, optimizer: torch.optim.Optimizer, device: torch.device) -> str:
-        fused = supports_found_inf(optimizer)
+    def _resolve_mode(self, mode: str, device: torch.device) -> str:
+        inner = self.inner
+        if mode not in ("auto", "host", "select", "found_inf"):
+            raise ValueError(
+                f"unknown skip_mode {mode!r}: use 'auto', 'select', 'host' or 'found_inf'"
+            )
+        if not isinstance(inner, torch.optim.Optimizer):  # its state is out of our sight
+            if mode != "host" and not (mode == "auto" and device.type == "cpu"):
+                self._warn_once(
+                    "mode",
+                    f"{type(inner).__name__} is not a torch.optim.Optimizer and holds none, so "
+                    f"skip_mode={mode!r} cannot see its state: using 'host' (skips by not "
+                    "calling step(); one host sync per step on an accelerator)",
+                )
+            return "host"
+        fused = supports_found_inf(inner)
         if mode == "auto":
             return "host" if device.type == "cpu" else "found_inf" if fused else "select"
-        if mode not in ("host", "select", "found_inf") or (mode == "found_inf" and not fused):
+        if mode == "found_inf" and not fused:
             raise ValueError(
-                f"skip_mode={mode!r} is not available for {type(optimizer).__name__} "
+                f"skip_mode='found_inf' is not available for {type(inner).__name__} "
                 f"(fused={fused}): use 'auto', 'select', 'host', or 'found_inf' with fused=True"
             )
         return mode
@@ -273,9 +265,12 @@ class StepGuard:
         if current is None:
             raise RuntimeError("StepGuard: call scaler.scale(loss).backward() before guard.step")
         scale = current.detach().float().clone()  # before update() changes it in place
-        state = scaler_optimizer_state(sc, self.optimizer)
-        if state["stage"].name != "UNSCALED":  # the user may have unscaled already
-            sc.unscale_(self.optimizer)
+        # The user or their framework may have unscaled through any level of a wrapped optimizer.
+        key = next((o for o in self.chain if scaler_has_unscaled(sc, o)), self.inner)
+        self._scaler_key = key
+        state = scaler_optimizer_state(sc, key)
+        if state["stage"].name != "UNSCALED":
+            sc.unscale_(key)
         infs = [
             t.to(self.device, non_blocking=True) for t in state["found_inf_per_device"].values()
         ]
@@ -339,7 +334,7 @@ class StepGuard:
     def _agree_found_inf(self, overflow: torch.Tensor) -> None:
         """Make every rank's GradScaler.update() see the agreed overflow flag."""
         sc: Any = self.scaler
-        for t in scaler_optimizer_state(sc, self.optimizer)["found_inf_per_device"].values():
+        for t in scaler_optimizer_state(sc, self._scaler_key)["found_inf_per_device"].values():
             t.copy_(overflow)
 
     def _world(self) -> int:
@@ -384,6 +379,11 @@ class StepGuard:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"StepGuard: {message}", stacklevel=3)
+
+    def close(self) -> None:
+        """Remove the forward pre-hook `protect_buffers=True` installed on the model."""
+        if self.buffers is not None:
+            self.buffers.close()
 
     # -- reading and state ----------------------------------------------------------------
     @property

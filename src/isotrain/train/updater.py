@@ -110,6 +110,7 @@ class GuardedUpdater(PlainUpdater):
             spike_k=g.spike_k or None,
             spike_window=g.spike_window,
             spike_min_samples=min(16, g.spike_window),
+            protect_buffers=True,  # a skipped step leaves buffers as before its forward
         )
         self.rollback = (
             Rollback(model, optimizer, every=g.rollback_copy_every, patience=g.rollback_after)

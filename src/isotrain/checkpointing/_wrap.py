@@ -1,0 +1,184 @@
+"""How a block is checkpointed in place: its forward, its buffers, and the model's KV cache.
+
+`_Checkpointed` is the instance forward of a wrapped block (NOTE [instance forwards] in
+`isotrain._shared`: class, keys and pickling unchanged). Two things the recomputation in
+backward must not do again: update buffers (NOTE [buffers in recompute]) and build a KV cache
+(NOTE [caches in recompute]).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from isotrain._shared import (
+    ForwardWrapper,
+    buffer_slots,
+    find_forward,
+    install_forward,
+    outside_stacklevel,
+    remove_forward,
+)
+from isotrain._torch_private import tensor_version
+from isotrain.checkpointing._selective import SELECTIVE
+from isotrain.checkpointing._state import _State
+
+__all__ = ["disable_caches", "is_checkpointed", "unwrap", "wrap"]
+
+# NOTE [buffers in recompute]
+# Backward re-runs a checkpointed block's forward. Parameters are read-only there, but buffers
+# are not: BatchNorm would update its running statistics a second time (torch.utils.checkpoint
+# documents this as a caveat; fairscale's patch_batchnorm turns tracking off in one of the two
+# passes, which only works with reentrant checkpoint: the non-reentrant one checks that both
+# passes save as many tensors). Here the recomputation runs with each buffer the forward wrote
+# swapped for a scratch copy, restored in `finally`: it computes and saves exactly what the
+# forward did, and the module's own tensors are never touched again, so every buffer ends bit
+# for bit as without checkpointing. "Wrote" is: any buffer of a module that tracks running
+# statistics (BatchNorm kernels update them without bumping the tensor version), plus any
+# buffer whose version changed during the forward (a counter, an EMA). Under torch.compile the
+# traced graph applies buffer mutations once by itself, so the plain checkpoint runs there.
+#
+# NOTE [caches in recompute]
+# A model that builds a KV cache in forward (HF Transformers, `use_cache=True`, the default of
+# its configs) would build it again in the recomputation: the cache doubles, T5 changes what it
+# saves and backward fails, selective checkpointing misses cached outputs. HF's own
+# gradient_checkpointing_enable() turns the cache off for training forwards with a warning;
+# so does this, for every module above a checkpointed block whose forward takes `use_cache`:
+# forwards with gradients run with use_cache=False (one warning per module, naming it); eval and
+# generation under no_grad keep the cache. A block called with use_cache=True directly gets
+# use_cache=False the same way.
+
+
+def _tracks_stats(owner: nn.Module) -> bool:
+    return bool(getattr(owner, "track_running_stats", False))
+
+
+class _Replay:
+    """One checkpointed call: the first run is the forward, later runs are recomputations."""
+
+    def __init__(self, wrapper: _Checkpointed, kwargs: dict[str, Any]) -> None:
+        self.wrapper, self.kwargs = wrapper, kwargs
+        self.written: list[tuple[nn.Module, str]] | None = None
+        self.scratch: list[torch.Tensor] = []
+
+    def __call__(self, *args: Any) -> Any:
+        w = self.wrapper
+        if self.written is None:  # the forward
+            slots = buffer_slots([w.module])
+            versions = [tensor_version(getattr(o, n)) for o, n in slots]
+            out = w.call_inner(*args, **self.kwargs)
+            self.written = [
+                (o, n)
+                for (o, n), v in zip(slots, versions)
+                if _tracks_stats(o) or tensor_version(getattr(o, n)) != v
+            ]
+            # Copied now, not in the recompute: selective checkpointing replays the recompute
+            # against the ops the forward ran, and would refuse a clone it never saw.
+            self.scratch = [getattr(o, n).clone() for o, n in self.written]
+            return out
+        # NOTE [buffers in recompute]: writes go to scratch copies
+        originals = [getattr(o, n) for o, n in self.written]
+        try:
+            for (o, n), t in zip(self.written, self.scratch):
+                setattr(o, n, t)
+            return w.call_inner(*args, **self.kwargs)
+        finally:
+            for (o, n), t in zip(self.written, originals):
+                setattr(o, n, t)
+
+
+class _Checkpointed(ForwardWrapper):
+    """A block's forward under non-reentrant checkpoint; `selective` picks the op policy."""
+
+    def __init__(self, module: nn.Module, inner: Any, selective: bool = False) -> None:
+        super().__init__(module, inner)
+        self.selective, self.warned = selective, False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _State.bypass or not torch.is_grad_enabled():
+            return self.call_inner(*args, **kwargs)
+        if kwargs.get("use_cache"):  # NOTE [caches in recompute]
+            kwargs["use_cache"] = False
+            self.warned = self.warned or _warn_cache(type(self.module).__name__)
+        ctx: dict[str, Any] = {"context_fn": SELECTIVE} if self.selective else {}
+        if torch.compiler.is_compiling():
+            return checkpoint(self.call_inner, *args, use_reentrant=False, **ctx, **kwargs)
+        return checkpoint(_Replay(self, kwargs), *args, use_reentrant=False, **ctx)
+
+
+def _warn_cache(where: str) -> bool:
+    warnings.warn(
+        f"activation checkpointing: {where} was called with use_cache=True (or its config says "
+        "so); a cache built in forward would be built again when checkpointed blocks recompute "
+        "in backward, so forwards with gradients now run with use_cache=False (eval and no_grad "
+        "forwards keep the cache). Pass use_cache=False when training to silence this.",
+        stacklevel=outside_stacklevel(),
+    )
+    return True
+
+
+class _NoCache(ForwardWrapper):
+    """Training forwards of a module above checkpointed blocks run with use_cache=False."""
+
+    def __init__(self, module: nn.Module, inner: Any, index: int, default: Any) -> None:
+        super().__init__(module, inner)
+        self.index, self.default, self.warned = index, default, False  # index: positional slot
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and not _State.bypass:
+            positional = 0 <= self.index < len(args)
+            value = args[self.index] if positional else kwargs.get("use_cache")
+            if value is None:
+                config = getattr(self.module, "config", None)
+                value = getattr(config, "use_cache", None)
+            if value if value is not None else self.default:
+                if positional:
+                    args = (*args[: self.index], False, *args[self.index + 1 :])
+                else:
+                    kwargs["use_cache"] = False
+                self.warned = self.warned or _warn_cache(type(self.module).__name__)
+        return self.call_inner(*args, **kwargs)
+
+
+def _use_cache_slot(module: nn.Module) -> tuple[int, Any] | None:
+    """(positional index or -1, default) of `use_cache` in the class's forward, or None."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # no self
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == "use_cache":
+            positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            return (i if positional else -1), (None if p.default is p.empty else p.default)
+    return None
+
+
+def disable_caches(model: nn.Module, block_names: list[str]) -> None:
+    """`_NoCache` on the root and each ancestor of a checkpointed block that takes use_cache."""
+    names = {""} | {b.rsplit(".", i)[0] for b in block_names for i in range(1, b.count(".") + 1)}
+    for name in sorted(names):
+        module = model.get_submodule(name)
+        slot = _use_cache_slot(module)
+        if slot is not None and find_forward(module, _NoCache) is None:
+            install_forward(module, _NoCache, *slot)
+
+
+def wrap(module: nn.Module, selective: bool = False) -> None:
+    install_forward(module, _Checkpointed, selective)
+
+
+def unwrap(module: nn.Module) -> None:
+    remove_forward(module, _Checkpointed)
+    remove_forward(module, _NoCache)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether `module` runs under activation checkpointing (isotrain wrapping or the block)."""
+    if find_forward(module, _Checkpointed) is not None:
+        return True
+    return getattr(module, "checkpoint_mode", "none") != "none"
