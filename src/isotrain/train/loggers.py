@@ -22,7 +22,7 @@ from isotrain.train.fields import ConfigError, to_toml
 from isotrain.train.report import METRICS_FILE
 from isotrain.train.rundir import append_line, writing
 
-__all__ = ["LOGGERS", "Logger", "MetricsWriter", "write_config_file"]
+__all__ = ["Logger", "MetricsWriter", "write_config_file"]
 
 CONFIG_FILE = "config.toml"
 
@@ -76,7 +76,7 @@ class CsvLogger:
     """
 
     def __init__(self, run_dir: Path, start_step: int) -> None:
-        self.dir, self.run_dir = run_dir / "csv", run_dir
+        self.dir, self.run_dir = _inside(run_dir, "csv"), run_dir
         self.columns: dict[str, list[str]] = {}
         with writing(self.dir, run_dir):
             self.dir.mkdir(exist_ok=True)
@@ -106,12 +106,7 @@ class CsvLogger:
         writer = csv.DictWriter(buf, columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            tmp.write_text(buf.getvalue(), encoding="utf-8")
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _replace(path, buf.getvalue())
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
         if kind == "config":  # nested settings: config.toml holds them
@@ -156,7 +151,7 @@ class TensorBoardLogger:
             ) from e
         # A resumed run replaces the events its crashed predecessor wrote after the snapshot.
         purge = start_step + 1 if start_step else None
-        self.tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge)
+        self.tb = SummaryWriter(str(_inside(run_dir, "tensorboard")), purge_step=purge)
 
     def log(self, kind: str, record: dict[str, Any]) -> None:
         step = record.get("step")
@@ -177,7 +172,9 @@ class WandbLogger:
     """A Weights & Biases run (`WANDB_MODE=offline` logs without a network; `wandb sync`
     uploads later). Files go to RUN/wandb; the config is the run's resolved config."""
 
-    def __init__(self, run_dir: Path, start_step: int, config: dict[str, Any], project: str):
+    def __init__(
+        self, run_dir: Path, start_step: int, config: dict[str, Any], project: str
+    ) -> None:
         try:
             import wandb
         except ImportError as e:
@@ -185,6 +182,7 @@ class WandbLogger:
                 "--report.loggers wandb needs wandb: pip install 'isotrain[wandb]'", name="wandb"
             ) from e
         settings = wandb.Settings(silent=True, console="off", save_code=False, disable_git=True)
+        _inside(run_dir, "wandb")  # where wandb.init(dir=RUN) writes
         try:
             self.run = wandb.init(
                 project=project,
@@ -210,9 +208,6 @@ class WandbLogger:
 
     def close(self) -> None:
         self.run.finish()
-
-
-LOGGERS = ("jsonl", "csv", "tensorboard", "wandb")
 
 
 class MetricsWriter:
@@ -270,12 +265,28 @@ class MetricsWriter:
 def write_config_file(run_dir: Path, config: Any) -> Path:
     """RUN/config.toml: the resolved config, which `isotrain train --config` reads back."""
     path = run_dir / CONFIG_FILE
-    text = "# the resolved settings of this run: isotrain train --config " + f"{path}\n"
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    text = "# The resolved settings of this run: isotrain train --config FILE reads them back.\n"
     with writing(path, run_dir):
-        try:
-            tmp.write_text(text + to_toml(config), encoding="utf-8")
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        _replace(path, text + to_toml(config))
     return path
+
+
+def _inside(run_dir: Path, name: str) -> Path:
+    """RUN/NAME for a logger's files; a link there (pointing out of the run) is refused."""
+    path = run_dir / name
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ConfigError(f"{path} is not a directory of this run; try removing it")
+    return path
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole through a fresh temporary file (never through a link) and rename."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

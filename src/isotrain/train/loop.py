@@ -154,7 +154,7 @@ def _evaluate_and_record(
     st.last_val, st.best_val = val, min(st.best_val, val)
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
-    reporter.line(f"step {st.step:>6}: {_loss_line(run, val, baseline)}")
+    reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")
 
 
 def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
@@ -164,18 +164,12 @@ def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
 
 
 def _loss_line(run: Run, val: float, baseline: float) -> str:
-    """Validation loss and the unigram baseline, per token and (when known) in bits per byte."""
-    corpus, unit = (
-        run.batches.corpus,
-        "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token",
-    )
-    bpb, base_bpb = (data_mod.bits_per_byte(x, corpus) for x in (val, baseline))
-    if bpb is None or base_bpb is None:
-        return f"val loss {val:.4f} {unit} (unigram baseline {baseline:.4f})"
-    return (
-        f"val loss {val:.4f} {unit}, {bpb:.4f} bits/byte "
-        f"(unigram baseline {baseline:.4f}, {base_bpb:.4f} bits/byte)"
-    )
+    """Validation loss (per token, and in bits per byte when known) beside the unigram
+    baseline to beat, in one line that fits 80 columns."""
+    unit = "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token"
+    bpb = data_mod.bits_per_byte(val, run.batches.corpus)
+    in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
+    return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
 
 
 def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
