@@ -1,6 +1,7 @@
 # isotrain: `make train` and `make test` create the environment when it is missing, then run.
 # TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"
-# `make train` installs what training needs; test, lint, docs and bench add the dev tools.
+# `make train` installs what training and its follow-ups need (plots, export); test, lint, docs
+# and bench add the dev tools. `make sample|plot|report|export` act on RUN (default runs/default).
 # `make lint`: ruff (style) and mypy (strict types on src/isotrain).
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
@@ -8,14 +9,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
+RUN ?= runs/default
+ISOTRAIN := $(VENV)/bin/isotrain
 
-.PHONY: train test lint bench docs clean
+.PHONY: train sample plot report export test lint bench docs clean
 
 $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet -e ".[plots,export]"
 	touch $(RUN_STAMP)
 
 $(DEV_STAMP): $(RUN_STAMP)
@@ -23,7 +26,19 @@ $(DEV_STAMP): $(RUN_STAMP)
 	touch $(DEV_STAMP)
 
 train: $(RUN_STAMP)
-	$(VENV)/bin/isotrain train
+	$(ISOTRAIN) train
+
+sample: $(RUN_STAMP)
+	$(ISOTRAIN) sample $(RUN)
+
+plot: $(RUN_STAMP)
+	$(ISOTRAIN) plot $(RUN)
+
+report: $(RUN_STAMP)
+	$(ISOTRAIN) report $(RUN)
+
+export: $(RUN_STAMP)
+	$(ISOTRAIN) export $(RUN)
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest

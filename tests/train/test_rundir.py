@@ -94,10 +94,10 @@ def _enospc() -> None:
 
 def _disk_full_at_step_4(monkeypatch, where: str) -> None:
     """Make the write of `where` at step 4 fail as a full disk does (after a partial write)."""
-    import isotrain.train.report as report
+    import isotrain.train.loggers as loggers
     import isotrain.train.snapshot as snapshot
 
-    real_save, real_atomic, real_append = torch.save, snapshot._write_atomic, report.append_line
+    real_save, real_atomic, real_append = torch.save, snapshot._write_atomic, loggers.append_line
 
     def save(obj, f, *a, **k):
         if isinstance(obj, dict) and obj.get("train_state", {}).get("step") == 4:
@@ -121,7 +121,7 @@ def _disk_full_at_step_4(monkeypatch, where: str) -> None:
     if where == "state.pt":
         monkeypatch.setattr(torch, "save", save)
     elif where == "metrics.jsonl":
-        monkeypatch.setattr(report, "append_line", append)
+        monkeypatch.setattr(loggers, "append_line", append)
     else:
         monkeypatch.setattr(snapshot, "_write_atomic", atomic)
 

@@ -99,9 +99,35 @@ TRAIN_CASES = [
      "--device 'mps': this machine has no such device; try --device cpu"),
     ("device-cuda", ["--device", "cuda:64"], None,
      "--device 'cuda:64': this machine has no such device; try --device cpu"),
-    ("tensorboard-missing", ["--report.tensorboard"], None,
-     "--report.tensorboard needs the tensorboard package, which is not installed; "
+    ("tensorboard-missing", ["--report.loggers", "jsonl", "tensorboard"], None,
+     "--report.loggers tensorboard needs the tensorboard package, which is not installed; "
      "try pip install 'isotrain[tensorboard]'"),
+    ("wandb-missing", ["--report.loggers", "csv,wandb"], None,
+     "--report.loggers wandb needs the wandb package, which is not installed; "
+     "try pip install 'isotrain[wandb]'"),
+    ("logger-unknown", ["--report.loggers", "jsonl,mlflow"], None,
+     "invalid choice 'mlflow' for argument '--report.loggers'. Expected one of ('jsonl', "
+     "'csv', 'tensorboard', 'wandb')" + TRY),
+    ("logger-unknown", [], '[report]\nloggers = ["jsonl", "mlflow"]\n',
+     "--config <toml>: report.loggers = [\"jsonl\", \"mlflow\"] is invalid: it must be a list "
+     "of values from 'jsonl', 'csv', 'tensorboard', 'wandb'; try [report] loggers = "
+     "[\"jsonl\"]"),
+    ("d-model-string", [], '[model]\nd_model = "big"\n',
+     "--config <toml>: model.d_model = \"big\" is invalid: it must be an integer; "
+     "try [model] d_model = 32"),
+    ("d-model-float", [], "[model]\nd_model = 64.5\n",
+     "--config <toml>: model.d_model = 64.5 is invalid: it must be an integer; "
+     "try [model] d_model = 32"),
+    ("lr-string", [], '[optim]\nlr = "fast"\n',
+     "--config <toml>: optim.lr = \"fast\" is invalid: it must be a number; "
+     "try [optim] lr = 0.002"),
+    ("preset-unknown", ["--preset", "huge"], None,
+     "--preset 'huge' is not a preset; try one of tiny, small, smoke"),
+    ("preset-no-value", ["--preset"], None,
+     "--preset needs a value; try isotrain train --help"),
+    ("help-unknown-section", ["--help", "modle"], None,
+     "--help modle: no such section; try one of model, data, optim, checkpointing, compile, "
+     "guard, quant, snapshot, parallel, report, run"),
     ("data-missing", ["--data.path", "<file>.missing"], None,
      "--data.path <file>.missing: no such file or directory"),
 ]  # fmt: skip
@@ -142,8 +168,8 @@ def test_bad_values_are_one_line_and_leave_the_run_alone(
         data = toml if isinstance(toml, bytes) else fill(toml).encode()
         toml_path.write_bytes(data)
         argv[1:1] = ["--config", str(toml_path)]
-    if name == "tensorboard-missing":
-        monkeypatch.setitem(sys.modules, "tensorboard", None)
+    if name.endswith("-missing"):  # an optional package that is not installed
+        monkeypatch.setitem(sys.modules, name.removesuffix("-missing"), None)
     before = _files(existing_run)
     capsys.readouterr()
     assert main(argv) == 2
@@ -163,6 +189,35 @@ def _safetensors(tmp_path: Path) -> dict[str, Path]:
 
 
 OTHER_CASES = [
+    ("sample-no-run", ["sample"],
+     "isotrain sample: error: which run? try isotrain sample runs/default"),
+    ("report-two-runs", ["report", "<run>", "--run", "<dir>"],
+     "isotrain report: error: two runs given (<run>, --run <dir>); try just RUN"),
+    ("sample-temperature-negative", ["sample", "<run>", "--temperature", "-1"],
+     "isotrain sample: error: --temperature -1.0 is invalid: use a finite number >= 0 "
+     "(0 picks the most likely token); try --temperature 0.8"),
+    ("sample-temperature-nan", ["sample", "<run>", "--temperature", "nan"],
+     "isotrain sample: error: --temperature nan is invalid: use a finite number >= 0 "
+     "(0 picks the most likely token); try --temperature 0.8"),
+    ("sample-top-k-zero", ["sample", "<run>", "--top-k", "0"],
+     "isotrain sample: error: --top-k 0 is invalid: use 1 or more, or None (all); "
+     "try --top-k 50"),
+    ("sample-top-p", ["sample", "<run>", "--top-p", "1.5"],
+     "isotrain sample: error: --top-p 1.5 is invalid: use a probability in (0, 1], or None "
+     "(off); try --top-p 0.9"),
+    ("sample-tokens-text", ["sample", "<run>", "--tokens", "many"],
+     "isotrain sample: error: Error parsing --tokens: invalid literal for int() with base 10: "
+     "'many'; try isotrain sample --help"),
+    ("sample-prompt-file", ["sample", "<run>", "--prompt-file", "<dir>/none.txt"],
+     "isotrain sample: error: --prompt-file <dir>/none.txt: no such file"),
+    ("export-safetensors-missing", ["export", "<run>", "--out", "<dir>/m.safetensors"],
+     "isotrain export: error: export needs safetensors; try pip install 'isotrain[export]'"),
+    ("prepare-no-input", ["prepare", "--out", "<dir>/p"],
+     "isotrain prepare: error: --input is required; try isotrain prepare --help"),
+    ("prepare-tokenizers-missing",
+     ["prepare", "--input", "<file>", "--out", "<dir>/p", "--tokenizer", "bpe"],
+     "isotrain prepare: error: BPE and tokenizer.json files need Hugging Face tokenizers; "
+     "try pip install 'isotrain[data]'"),
     ("export-onto-a-directory", ["export", "--run", "<run>", "--out", "<dir>"],
      "isotrain export: error: --out <dir> is a directory; try another --out"),
     ("export-under-a-file", ["export", "--run", "<run>", "--out", "<file>/m.safetensors"],
@@ -183,11 +238,11 @@ OTHER_CASES = [
      "isotrain sample: error: <dir>: no snapshot found (looked in <dir>/snapshots); try the "
      "--out-dir of a run"),
     ("sample-truncated-export", ["sample", "--run", "<truncated>"],
-     "isotrain sample: error: --run <truncated>: not a readable isotrain export (Error while "
+     "isotrain sample: error: <truncated>: not a readable isotrain export (Error while "
      "deserializing header: incomplete metadata, file not fully covered); try a file written "
      "by isotrain export"),
     ("sample-foreign-export", ["sample", "--run", "<foreign>"],
-     "isotrain sample: error: --run <foreign>: not a readable isotrain export (<foreign>: not an "
+     "isotrain sample: error: <foreign>: not a readable isotrain export (<foreign>: not an "
      "isotrain export (no isotrain_model_config metadata)); try a file written by isotrain "
      "export"),
 ]  # fmt: skip
@@ -209,6 +264,8 @@ def test_bad_paths_and_files_of_the_other_commands_are_one_line(
 
     if name == "plot-without-matplotlib":
         monkeypatch.setitem(sys.modules, "matplotlib", None)
+    if name.endswith("-missing"):  # an optional package that is not installed
+        monkeypatch.setitem(sys.modules, name.split("-")[-2], None)
     before = _files(existing_run)
     capsys.readouterr()
     assert main([fill(a) for a in argv]) == 2

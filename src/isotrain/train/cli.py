@@ -1,322 +1,181 @@
 """`isotrain train | sample | plot | report | export | prepare`: argument parsing and wiring only.
 
 Flags come from the config dataclasses through tyro; precedence is
-preset < `--config FILE.toml` < flags. User errors print one clear line and exit 2.
+preset < `--config FILE.toml` < flags. User errors print one clear line and exit 2; a run
+stopped by Ctrl-C or SIGTERM exits 130 or 143 after its snapshot.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import logging
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, TypeVar
 
-import tyro
-
+from isotrain.train.cli_args import parse
+from isotrain.train.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data import DataError
 from isotrain.train.rundir import WriteError
 from isotrain.train.snapshot import SnapshotError
 
-__all__ = ["main"]
+__all__ = ["main", "parse_train_args"]
 
 USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
 # Optional packages and the extra that installs each: a missing one is a user error too.
-EXTRAS = {"matplotlib": "plots", "tensorboard": "tensorboard", "safetensors": "export"}
-T = TypeVar("T")
+EXTRAS = {
+    "matplotlib": "plots",
+    "tensorboard": "tensorboard",
+    "safetensors": "export",
+    "tokenizers": "data",
+    "wandb": "wandb",
+}
 
 
-def _one_line(box: str) -> str:
-    """tyro's error message as one line: the title (first line), frames, rules and help
-    pointers dropped. Handles the framed (terminal) and the plain (captured) layout."""
-    lines = [
-        ln.strip().strip("│┃|").strip() for ln in re.sub(r"\x1b\[[0-9;]*m", "", box).splitlines()
-    ]
-    lines = [ln for ln in lines if ln and not set(ln) <= set("─━-=+╭╮╰╯ ")][1:]
-    words = []
-    for line in lines:
-        if line.startswith(("For full helptext", "Argument helptext")):
-            break
-        words.append(line)
-    return " ".join(words) or "invalid arguments"
+def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """The value of `--name VALUE` / `--name=VALUE` (the last one wins), and argv without it."""
+    value, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == name:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ConfigError(f"{name} needs a value; try isotrain train --help")
+            value, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
 
 
-def parse(cls: type[T], argv: Sequence[str], prog: str, **kwargs: Any) -> T:
-    """`tyro.cli`, with a parse error turned into a one-line ConfigError (`--help` unchanged)."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            args = tyro.cli(cls, args=list(argv), prog=prog, **kwargs)
-    except SystemExit as e:
-        if e.code:
-            reason = _one_line(captured.getvalue()).rstrip(".")
-            raise ConfigError(f"{reason}; try {prog} --help") from None
-        sys.stderr.write(captured.getvalue())
-        raise
-    sys.stderr.write(captured.getvalue())  # warnings of a successful parse
-    return args
-
-
-def check_output(option: str, path: Path, *, is_dir: bool) -> None:
-    """Refuse an output path that cannot be written: a directory where a file goes (or the
-    reverse), or a path under a file."""
-    for at in (path, *path.parents):
-        if at.exists():
-            if at == path and at.is_dir() != is_dir:
-                kind = "a directory" if at.is_dir() else "a file"
-                raise ConfigError(f"{option} {path} is {kind}; try another {option}")
-            if at != path and not at.is_dir():
-                raise ConfigError(f"{option} {path} lies under the file {at}; try another {option}")
-            return
+def _split_commas(argv: list[str], name: str) -> list[str]:
+    """`--report.loggers jsonl,csv` as `--report.loggers jsonl csv` (both forms work)."""
+    out: list[str] = []
+    inside = False
+    for arg in argv:
+        if arg.startswith(name + "="):
+            out += [name, *filter(None, arg.split("=", 1)[1].split(","))]
+            inside = True
+            continue
+        inside = arg == name or (inside and not arg.startswith("-"))
+        out += [*filter(None, arg.split(","))] if inside and arg != name else [arg]
+    return out
 
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     """Resolve preset, TOML file and flags into one TrainConfig."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    pre.add_argument("--config", default=None)
-    known, rest = pre.parse_known_args(list(argv))
-    cfg = PRESETS[known.preset]()
-    if known.config:
-        cfg = apply_toml(cfg, known.config)
-    desc = (
-        "Train the GPT. Presets: " + ", ".join(sorted(PRESETS)) + " (--preset NAME, default "
-        "tiny); --config FILE.toml overlays a TOML file; flags override both."
-    )
-    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=desc)
+    preset, rest = _option(list(argv), "--preset")
+    config, rest = _option(rest, "--config")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
+    cfg = PRESETS[preset or "tiny"]()
+    if config:
+        cfg = apply_toml(cfg, config)
+    if any(a in ("-h", "--help", "--help-all") for a in rest):
+        _train_help(cfg, rest)
+    rest = _split_commas(rest, "--report.loggers")
+    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+
+
+TRAIN_DESCRIPTION = (
+    "Train the GPT. --preset NAME (" + ", ".join(PRESETS) + "; default tiny) is the starting "
+    "point; --config FILE.toml overlays a TOML file (a run's OUT_DIR/config.toml works); "
+    "flags override both."
+)
+
+
+def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
+    """`--help` (short), `--help SECTION`, `--help-all` (tyro's full page); then exit 0."""
+    from isotrain.train.helptext import SECTIONS, section_help, short_help
+
+    if "--help-all" in argv:
+        parse(TrainConfig, ["--help"], "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+    flag_at = max(i for i, a in enumerate(argv) if a in ("-h", "--help"))
+    section = argv[flag_at + 1] if flag_at + 1 < len(argv) else None
+    if section is not None and not section.startswith("-"):
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"--help {section}: no such section; try one of {', '.join(SECTIONS)}"
+            )
+        sys.stdout.write(section_help(cfg, section) + "\n")
+    else:
+        sys.stdout.write(short_help(cfg) + "\n")
+    raise SystemExit(0)
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from isotrain.train.loop import train
+    from isotrain.train.loop import TrainingStopped, train
 
     cfg = parse_train_args(argv)
-    train(validate(cfg))
-    return 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class SampleArgs:
-    """Generate text from a trained run, through the tokenizer it trained with."""
-
-    run: str
-    """Run directory holding snapshots, a .safetensors file from `isotrain export`, or hf:FOLDER."""
-    prompt: str = "def "
-    """Text to continue."""
-    prompt_file: str | None = None
-    """Read the prompt from this UTF-8 file instead of --prompt."""
-    tokens: int = 200
-    """Number of tokens to generate."""
-    temperature: float = 0.8
-    """Sampling temperature; 0 picks the most likely token."""
-    top_k: int | None = 50
-    """Sample among the k most likely tokens (None: all)."""
-    top_p: float | None = None
-    """Sample among the most likely tokens whose probabilities sum to p (None: off)."""
-    num_samples: int = 1
-    """Number of samples, drawn as one batch."""
-    seed: int = 0
-    """Seed of the sampling generator (the global RNG is never touched)."""
-    which: Literal["latest", "best"] = "latest"
-    """Snapshot to load: the newest or the best-validation one."""
-
-
-def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.sampling import check_sampling, samples
-
-    a = parse(SampleArgs, argv, "isotrain sample")
-    check_sampling(
-        tokens=a.tokens,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        num_samples=a.num_samples,
-    )
-    prompt = a.prompt
-    if a.prompt_file is not None:
-        path = Path(a.prompt_file).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompt-file {a.prompt_file}: no such file")
-        prompt = path.read_text(encoding="utf-8")
-    model, tok = _load(a.run, a.which)
-    if tok is None:
-        logging.getLogger(__name__).warning("%s has no tokenizer files: text is bytes", a.run)
-    texts = samples(
-        model,
-        prompt,
-        a.tokens,
-        tokenizer=tok,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        num_samples=a.num_samples,
-        seed=a.seed,
-    )
-    for i, text in enumerate(texts):
-        if len(texts) > 1:
-            sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
-        sys.stdout.write(prompt + text + "\n")
-    return 0
-
-
-def _load(source: str, which: str) -> Any:
-    """Model and tokenizer to sample from; an unreadable export file is a user error."""
-    from safetensors import SafetensorError
-
-    from isotrain.train.weights import load_with_tokenizer
-
-    if not source.endswith(".safetensors"):
-        return load_with_tokenizer(source, which=which)
     try:
-        return load_with_tokenizer(source, which=which)
-    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise ConfigError(
-            f"--run {source}: not a readable isotrain export ({reason}); "
-            "try a file written by isotrain export"
-        ) from None
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunArgs:
-    """A run directory to read."""
-
-    run: str
-    """Run directory (from `isotrain train --out-dir`)."""
-    out: str | None = None
-    """Output directory for plot (default: the run)."""
-
-
-def cmd_plot(argv: Sequence[str]) -> int:
-    from isotrain.train.plots import plot_run
-
-    args = parse(RunArgs, argv, "isotrain plot")
-    check_output("--out", Path(args.out or args.run), is_dir=True)
-    for path in plot_run(args.run, args.out):
-        sys.stdout.write(f"wrote {path}\n")
+        train(validate(cfg))
+    except TrainingStopped as e:
+        sys.stderr.write(f"isotrain train: {e}\n")
+        return 128 + e.signum
     return 0
 
 
-def cmd_report(argv: Sequence[str]) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from isotrain.train.plots import summarize_run
-
-    args = parse(RunArgs, argv, "isotrain report")
-    table = Table(title=f"isotrain report: {args.run}", show_header=False)
-    for key, value in summarize_run(args.run).items():
-        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    Console(highlight=False).print(table)
-    return 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ExportArgs:
-    """Write a run's weights (and tokenizer) for use elsewhere."""
-
-    run: str
-    """Run directory (from `isotrain train --out-dir`)."""
-    out: str | None = None
-    """Output: a .safetensors file (isotrain format; default RUN/model.safetensors) or a folder
-    (hf format; default RUN/hf)."""
-    format: Literal["isotrain", "hf"] = "isotrain"
-    """isotrain: one .safetensors file `sample` and `--init-from` read; hf: a GPT-2 folder for
-    transformers (config.json, model.safetensors, tokenizer files)."""
-    which: Literal["latest", "best"] = "latest"
-    """Snapshot to read: the newest or the best-validation one."""
-
-
-def cmd_export(argv: Sequence[str]) -> int:
-    from isotrain.train.export import export_run
-
-    a = parse(ExportArgs, argv, "isotrain export")
-    hf = a.format == "hf"
-    target = Path(a.out or (f"{a.run}/hf" if hf else f"{a.run}/model.safetensors"))
-    check_output("--out", target, is_dir=hf)
-    out, snap = export_run(a.run, target, which=a.which, fmt=a.format)
-    sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
-    return 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrepareArgs:
-    """Tokenize text into train.bin / val.bin (+ meta.json) for memory-mapped training."""
-
-    input: tuple[str, ...]
-    """Text files, folders or globs (quote them); .jsonl records; .json/.parquet need datasets."""
-    out: str
-    """Output folder; train with --data.path OUT."""
-    val_input: str | None = None
-    """Validation text (default: held out from the input, by file or from the tail)."""
-    tokenizer: str = "bytes"
-    """bytes | bpe (byte-level BPE learned from the training text) | PATH/tokenizer.json."""
-    vocab_size: int = 1024
-    """Tokens of the BPE to learn (--tokenizer bpe)."""
-    val_fraction: float = 0.1
-    """Share of the input held out for validation."""
-    text_field: str = "text"
-    """Field holding the text in .jsonl / .json / .parquet records."""
-    bpe_train_bytes: int = 100_000_000
-    """Learn BPE merges from at most this many bytes of training text."""
-    overwrite: bool = False
-    """Replace a folder's existing train.bin / val.bin."""
-    progress: bool = True
-    """Show progress bars."""
-
-
-def cmd_prepare(argv: Sequence[str]) -> int:
-    from isotrain.train.prepare import prepare
-
-    a = tyro.cli(PrepareArgs, args=list(argv), prog="isotrain prepare")
-    meta = prepare(
-        list(a.input),
-        a.out,
-        val_input=a.val_input,
-        tokenizer=a.tokenizer,
-        vocab_size=a.vocab_size,
-        val_fraction=a.val_fraction,
-        text_field=a.text_field,
-        bpe_train_bytes=a.bpe_train_bytes,
-        overwrite=a.overwrite,
-        progress=a.progress,
-    )
-    splits = meta["splits"]
-    sys.stdout.write(
-        f"wrote {a.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val "
-        f"tokens ({meta['dtype']}, tokenizer {meta['tokenizer']}); train with --data.path {a.out}\n"
-    )
-    return 0
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "train": cmd_train,
-    "sample": cmd_sample,
-    "plot": cmd_plot,
-    "report": cmd_report,
-    "export": cmd_export,
-    "prepare": cmd_prepare,
+COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
+    "train": (cmd_train, "train the GPT (--preset, --config FILE.toml, flags)"),
+    "sample": (cmd_sample, "generate text from a run, an export or hf:FOLDER"),
+    "plot": (cmd_plot, "draw loss (skips marked), lr, tokens/s, grad norm as PNGs"),
+    "report": (cmd_report, "summarise a run: losses, speed, skipped steps by reason"),
+    "export": (cmd_export, "write weights as .safetensors or a Hugging Face folder"),
+    "prepare": (cmd_prepare, "tokenize a corpus into train.bin / val.bin"),
 }
+
+
+def _version() -> str:
+    import torch
+
+    from isotrain import __version__
+
+    return f"isotrain {__version__} (torch {torch.__version__})"
+
+
+def _help() -> str:
+    lines = [
+        "usage: isotrain COMMAND [--help] [options]",
+        "",
+        "Train a small GPT with isotrain's patterns, then sample, plot, report and export it.",
+        "",
+        "commands:",
+        *(f"  {name:<9} {line}" for name, (_, line) in COMMANDS.items()),
+        "",
+        "options:",
+        "  -h, --help   show this help; isotrain COMMAND --help shows a command's options",
+        "  --version    show the versions of isotrain and torch",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _missing_extra(e: ImportError) -> str | None:
+    """One line for an optional package that is not installed, naming the extra to install."""
+    name = e.name or getattr(e.__cause__, "name", None) or ""
+    extra = EXTRAS.get(name.split(".")[0])
+    if extra is None:
+        return None
+    what = re.split(r"[:;,]?\s*(?:try )?pip install", str(e))[0].strip().rstrip(":;,")
+    return f"{what}; try pip install 'isotrain[{extra}]'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `isotrain` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: isotrain {" + ",".join(COMMANDS) + "} [--help] [options]"
     if not argv or argv[0] in ("-h", "--help"):
-        sys.stdout.write(usage + "\n")
+        (sys.stdout if argv else sys.stderr).write(_help())
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        sys.stdout.write(_version() + "\n")
+        return 0
     if argv[0] not in COMMANDS:
-        sys.stderr.write(f"isotrain: unknown command {argv[0]!r}\n{usage}\n")
+        sys.stderr.write(f"isotrain: error: unknown command {argv[0]!r}; try isotrain --help\n")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        return COMMANDS[argv[0]][0](argv[1:])
     except USER_ERRORS as e:
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
         return 2
@@ -324,9 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
         return 1
     except ImportError as e:
-        extra = EXTRAS.get((e.name or getattr(e.__cause__, "name", None) or "").split(".")[0])
-        if extra is None:
+        message = _missing_extra(e)
+        if message is None:
             raise
-        fix = "" if "pip install" in str(e) else f"; try pip install 'isotrain[{extra}]'"
-        sys.stderr.write(f"isotrain {argv[0]}: error: {e}{fix}\n")
+        sys.stderr.write(f"isotrain {argv[0]}: error: {message}\n")
         return 2
+    except KeyboardInterrupt:  # before training started (training stops with a snapshot)
+        sys.stderr.write(f"isotrain {argv[0]}: interrupted\n")
+        return 130

@@ -168,12 +168,19 @@ class ParallelConfig:
     """none (one process), ddp, or fsdp (FSDP2); launch with torchrun for ddp/fsdp."""
 
 
+LoggerName = Literal["jsonl", "csv", "tensorboard", "wandb"]
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReportConfig:
-    """What a run leaves behind besides metrics.jsonl."""
+    """Where the run's records go."""
 
-    tensorboard: bool = False
-    """Also write TensorBoard event files to OUT_DIR/tensorboard (needs isotrain[tensorboard])."""
+    loggers: tuple[LoggerName, ...] = ("jsonl",)
+    """jsonl (OUT_DIR/metrics.jsonl, always written), csv (OUT_DIR/csv/), tensorboard
+    (OUT_DIR/tensorboard, isotrain[tensorboard]), wandb (OUT_DIR/wandb, isotrain[wandb];
+    WANDB_MODE=offline needs no network). Several: --report.loggers jsonl csv."""
+    wandb_project: str = "isotrain"
+    """Weights & Biases project of --report.loggers wandb."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -383,8 +390,9 @@ def _check_environment(cfg: TrainConfig) -> None:
     check_device(cfg.device)
     check_directory("--out-dir", cfg.out_dir)
     check_directory("--resume", cfg.resume)
-    if cfg.report.tensorboard:
-        check_extra("tensorboard", "--report.tensorboard", "tensorboard")
+    for name in ("tensorboard", "wandb"):
+        if name in cfg.report.loggers:
+            check_extra(name, f"--report.loggers {name}", name)
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:

@@ -26,6 +26,7 @@ __all__ = [
     "hints",
     "matches",
     "overlay",
+    "to_toml",
 ]
 
 INT64 = 2**63  # every integer setting must fit a tensor / JSON int64
@@ -93,7 +94,11 @@ def describe(hint: Any) -> str:
         if typing.get_origin(arm) is Literal:
             words.append("one of " + ", ".join(repr(a) for a in typing.get_args(arm)))
         elif typing.get_origin(arm) is tuple:
-            words.append(f"a list of {describe(typing.get_args(arm)[0]).split(' ', 1)[1]}s")
+            item = describe(typing.get_args(arm)[0])  # "an integer", "one of 'a', 'b'"
+            if item.startswith(("a ", "an ")):
+                words.append(f"a list of {item.split(' ', 1)[1]}s")
+            else:
+                words.append(f"a list of values from {item.removeprefix('one of ')}")
         else:
             names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
             words.append(names.get(arm, "nothing" if arm is type(None) else str(arm)))
@@ -184,3 +189,28 @@ def overlay(obj: Any, updates: dict[str, Any], prefix: str, source: str) -> Any:
             )
         changes[name] = coerce(value, hint)
     return dataclasses.replace(obj, **changes)
+
+
+def _toml_value(value: Any) -> str:
+    """`value` as exact TOML (strings escaped as TOML basic strings, floats round-tripping)."""
+    if isinstance(value, str):
+        # JSON's escapes are TOML's; DEL is a control character TOML wants escaped too
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
+    return _toml(value)
+
+
+def to_toml(obj: Any, prefix: str = "") -> str:
+    """Dataclass `obj` as TOML that `overlay` reads back to the same values. A None field is
+    left out (TOML has no null) with a comment saying so: it keeps its default there."""
+    lines, sections = [], []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append(f"\n[{prefix}{f.name}]\n" + to_toml(value, f"{prefix}{f.name}."))
+        elif value is None:
+            lines.append(f"# {f.name}: not set")
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return "".join(line + "\n" for line in lines) + "".join(sections)

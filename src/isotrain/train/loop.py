@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ from isotrain.contexts import rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.inputs import load_inputs
+from isotrain.train.loggers import MetricsWriter, write_config_file
 from isotrain.train.model import GPT, Block
 from isotrain.train.optim import build_optimizer
 from isotrain.train.parallel import (
@@ -34,7 +36,7 @@ from isotrain.train.parallel import (
     wrap_model,
 )
 from isotrain.train.precision import resolve_precision
-from isotrain.train.report import MetricsWriter, Reporter
+from isotrain.train.report import Reporter, where_and_next
 from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
 from isotrain.train.rundir import lock_run
 from isotrain.train.sampling import prompt_from, sample
@@ -44,7 +46,19 @@ from isotrain.train.step import evaluate, precision_context, train_step
 from isotrain.train.updater import build_updater
 from isotrain.train.weights import build_model
 
-__all__ = ["prepare_model", "setup", "start", "train"]
+__all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
+
+
+class TrainingStopped(Exception):
+    """SIGINT or SIGTERM stopped training; a snapshot of `step` was written first."""
+
+    def __init__(self, signum: int, step: int, out_dir: str) -> None:
+        name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
+        super().__init__(
+            f"{name}: stopped at step {step} after writing its snapshot; run the same "
+            f"command again to continue {out_dir}"
+        )
+        self.signum, self.step = signum, step
 
 
 def setup(cfg: TrainConfig) -> Run:
@@ -100,6 +114,7 @@ def _log(
     run: Run, reporter: Reporter, metrics: MetricsWriter, outcome: Any, dt: float, tokens: int
 ) -> None:
     """Read the step outcome (the one sync of a log step) and write it everywhere."""
+    _write_skips(run, metrics)
     rec = run.updater.read(outcome)  # sync: log step only
     if run.cfg.compile.enabled:  # counted since warm-up: anything here is a mid-run compile
         c, base = compile_counters(), run.compile_base
@@ -118,11 +133,19 @@ def _log(
         tokens_seen=run.state.tokens_seen,
         **rec,
     )
-    skipped = rec.get("skipped_total", 0)
-    reporter.advance(
-        run.state.step,
-        f"loss {rec['loss']:.4f} lr {lr:.2e} {tps:,.0f} tok/s skipped {skipped}",
+    reporter.progress(
+        step=run.state.step,
+        loss=rec["loss"],
+        lr=lr,
+        tokens_per_s=tps,
+        skips=rec.get("skipped_total", 0),
     )
+
+
+def _write_skips(run: Run, metrics: MetricsWriter) -> None:
+    """One `skip` record per step skipped since the last call (log steps, snapshots)."""
+    for step, reason in run.updater.drain_skips():  # sync: log steps and snapshots only
+        metrics.write("skip", step=step, reason=reason)
 
 
 def _evaluate_and_record(
@@ -133,7 +156,7 @@ def _evaluate_and_record(
     st.last_val, st.best_val = val, min(st.best_val, val)
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
-    reporter.line(f"step {st.step:>6}: {_loss_line(run, val, baseline)}")
+    reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")
 
 
 def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
@@ -143,18 +166,12 @@ def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
 
 
 def _loss_line(run: Run, val: float, baseline: float) -> str:
-    """Validation loss and the unigram baseline, per token and (when known) in bits per byte."""
-    corpus, unit = (
-        run.batches.corpus,
-        "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token",
-    )
-    bpb, base_bpb = (data_mod.bits_per_byte(x, corpus) for x in (val, baseline))
-    if bpb is None or base_bpb is None:
-        return f"val loss {val:.4f} {unit} (unigram baseline {baseline:.4f})"
-    return (
-        f"val loss {val:.4f} {unit}, {bpb:.4f} bits/byte "
-        f"(unigram baseline {baseline:.4f}, {base_bpb:.4f} bits/byte)"
-    )
+    """Validation loss (per token, and in bits per byte when known) beside the unigram
+    baseline to beat, in one line that fits 80 columns."""
+    unit = "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token"
+    bpb = data_mod.bits_per_byte(val, run.batches.corpus)
+    in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
+    return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
 
 
 def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
@@ -179,7 +196,10 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
 
 
 def train(cfg: TrainConfig) -> TrainState:
-    """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log."""
+    """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
+
+    SIGINT or SIGTERM: a snapshot of the current step, then `TrainingStopped`.
+    """
     with (
         process_group_scope(),
         rng_isolated(seed=cfg.seed),
@@ -188,25 +208,48 @@ def train(cfg: TrainConfig) -> TrainState:
     ):
         run = start(cfg, lock=held)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
-        out, tb = Path(cfg.out_dir), cfg.report.tensorboard
         baseline = data_mod.unigram_entropy(run.batches.corpus)
         with (
-            contextlib.closing(MetricsWriter(out, enabled=main, tensorboard=tb)) as metrics,
-            Reporter(total_steps=cfg.steps, enabled=main, live=cfg.progress) as reporter,
+            contextlib.closing(_metrics(run)) as metrics,
+            Reporter(
+                total_steps=cfg.steps, enabled=main, live=cfg.progress, start_step=st.step
+            ) as reporter,
         ):
-            metrics.write("config", step=st.step, config=dataclasses.asdict(cfg))
-            reporter.header(cfg, _facts(run, st.step))
+            reporter.header(_facts(run, st.step, precision=run.precision_note or cfg.precision))
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
             with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
                 train_time, stopped = _loop(run, reporter, metrics, baseline, stop)
+            reporter.stop()  # the bar ends here; what follows prints below it
             if stopped:
-                reporter.line(f"signal {stop.signal}: snapshot at step {st.step}, then exit")
+                _write_skips(run, metrics)
                 save_run(run)
-                return st
+                raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
             _evaluate_and_record(run, reporter, metrics, baseline)
             _finish(run, reporter, metrics, baseline, train_time)
         return st
+
+
+def _metrics(run: Run) -> MetricsWriter:
+    """The run's loggers (rank 0), its config record, and OUT_DIR/config.toml."""
+    cfg, main, out = run.cfg, run.dist.is_main, Path(run.cfg.out_dir)
+    config = dataclasses.asdict(cfg)
+    metrics = MetricsWriter(
+        out,
+        enabled=main,
+        loggers=cfg.report.loggers,
+        start_step=run.state.step,
+        config=config,
+        wandb_project=cfg.report.wandb_project,
+    )
+    try:
+        metrics.write("config", step=run.state.step, config=config)
+        if main:
+            write_config_file(out, cfg)
+    except BaseException:
+        metrics.close()
+        raise
+    return metrics
 
 
 def _loop(
@@ -225,6 +268,7 @@ def _loop(
                 if eval_due:
                     _evaluate_and_record(run, reporter, metrics, baseline)
                 if snapshot_due:
+                    _write_skips(run, metrics)  # a crash after the snapshot keeps them
                     save_run(run)
                     clock.reset()
         outcome = train_step(run)
@@ -276,17 +320,28 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
     )
 
 
-def _facts(run: Run, first: int) -> list[str]:
-    lines = [
-        run.batches.corpus.describe(),
-        f"tokenizer: {run.tokenizer.describe()}",
-        f"model: {run.model.num_params():,} parameters",
-        f"device: {run.dist.device}, world size {run.dist.world_size}",
-        f"precision: {run.precision_note or run.cfg.precision}",
+def _facts(run: Run, first: int, *, precision: str) -> list[str]:
+    """The run header: model, data, device, precision (as the caller describes it: the
+    setting, or what auto chose and why), run directory."""
+    cfg, m = run.cfg, run.cfg.model
+    params = run.model.num_params()
+    where = f"resumed at step {first}" if first else "new run"
+    if cfg.init_from and not first:
+        where += f", weights from --init-from {cfg.init_from}"
+    dev = run.dist.device
+    threads = f", {torch.get_num_threads()} threads" if dev.type == "cpu" else ""
+    world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
+    return [
+        f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "
+        f"{m.n_head} heads, context {m.block_size}",
+        f"data       {run.batches.corpus.describe()}",
+        f"tokenizer  {run.tokenizer.describe()}",
+        f"device     {dev}{threads}{world}",
+        f"precision  {precision}",
+        f"steps      {cfg.steps}, batch {cfg.data.batch_size} x {cfg.grad_accum}, "
+        f"eval every {cfg.eval_every}, log every {cfg.log_every}",
+        f"run dir    {cfg.out_dir} ({where})",
     ]
-    if run.cfg.init_from and not first:
-        lines.append(f"weights from --init-from {run.cfg.init_from} (new run, step 0)")
-    return lines + ([f"resumed at step {first}"] if first else [])
 
 
 class _Timer:
@@ -342,6 +397,7 @@ def _finish(
     if run.cfg.compile.enabled:
         summary["compile_seconds"] = run.compile_seconds
     metrics.write("summary", **summary)
-    reporter.summary(
-        {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()}
+    reporter.ending(
+        {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()},
+        where_and_next(cfg.out_dir, cfg.report.loggers),
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from isotrain.train.report import read_metrics
 
-__all__ = ["plot_run", "summarize_run"]
+__all__ = ["loss_figure", "plot_run", "skips", "summarize_run"]
 
 
 def _num(value: Any) -> float:
@@ -23,6 +23,33 @@ def _num(value: Any) -> float:
 def _series(records: list[dict[str, Any]], kind: str, key: str) -> tuple[list[int], list[float]]:
     rows = [r for r in records if r["kind"] == kind and key in r and isinstance(r.get("step"), int)]
     return [r["step"] for r in rows], [_num(r[key]) for r in rows]
+
+
+def skips(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, reason) of every skipped step: the run's `skip` records; a run written before
+    they existed gives the skipped log steps it recorded."""
+    rows = [r for r in records if r["kind"] == "skip" and isinstance(r.get("step"), int)]
+    if not rows:
+        rows = [r for r in records if r["kind"] == "train" and r.get("applied") is False]
+        rows = [r for r in rows if isinstance(r.get("step"), int)]
+    return sorted({r["step"]: str(r.get("reason", "?")) for r in rows}.items())
+
+
+def loss_figure(plt: Any, records: list[dict[str, Any]]) -> Any:
+    """Train and validation loss, a red line at every skipped step, the unigram baseline."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*_series(records, "train", "loss"), label="train loss")
+    ax.plot(*_series(records, "eval", "val_loss"), "o-", label="val loss")
+    skipped = [step for step, _ in skips(records)]
+    if skipped:  # one collection, however many: x in steps, y spanning the axes
+        ax.vlines(skipped, 0, 1, transform=ax.get_xaxis_transform(), colors="red", alpha=0.3,
+                  lw=1, label=f"skipped step ({len(skipped)})", gid="skips")  # fmt: skip
+    base = [_num(r.get("unigram_baseline")) for r in records if r["kind"] == "eval"]
+    if base and math.isfinite(base[-1]):
+        ax.axhline(base[-1], color="gray", ls="--", label="unigram baseline")
+    ax.set(xlabel="step", ylabel="nats per token", title="loss")
+    ax.legend()
+    return fig
 
 
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
@@ -47,18 +74,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         plt.close(fig)
         written.append(out / name)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(*_series(records, "train", "loss"), label="train loss")
-    ax.plot(*_series(records, "eval", "val_loss"), "o-", label="val loss")
-    skipped = [r.get("step") for r in records if r["kind"] == "train" and r.get("applied") is False]
-    for i, step in enumerate(s for s in skipped if isinstance(s, int)):
-        ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped step" if i == 0 else None)
-    base = [_num(r.get("unigram_baseline")) for r in records if r["kind"] == "eval"]
-    if base and math.isfinite(base[-1]):
-        ax.axhline(base[-1], color="gray", ls="--", label="unigram baseline")
-    ax.set(xlabel="step", ylabel="nats per token", title="loss")
-    ax.legend()
-    save(fig, "loss.png")
+    save(loss_figure(plt, records), "loss.png")
     for key, name, label in [
         ("lr", "lr.png", "learning rate"),
         ("tokens_per_s", "throughput.png", "tokens / s"),
@@ -94,7 +110,27 @@ def summarize_run(run_dir: str | Path) -> dict[str, Any]:
         "best_val_loss": min((_num(r.get("val_loss")) for r in evals), default=math.nan),
         "unigram_baseline": _num(evals[-1].get("unigram_baseline")) if evals else math.nan,
         "median_tokens_per_s": tps[len(tps) // 2] if tps else math.nan,
-        "skipped_steps": train[-1].get("skipped_total", 0) if train else 0,
+        **_skip_counts(records, train),
         "resumes": max(len(configs) - 1, 0),
     }
     return out
+
+
+def _skip_counts(records: list[dict[str, Any]], train: list[dict[str, Any]]) -> dict[str, Any]:
+    """Skipped steps: total and by reason (the guard's counters at the last log step, else
+    the `skip` records), and the first steps skipped."""
+    skipped = skips(records)
+    last = train[-1] if train else {}
+    counted = last.get("skipped_by_reason")
+    by_reason: dict[str, int] = {}
+    if isinstance(counted, dict):
+        by_reason = {str(k).lower(): v for k, v in counted.items() if isinstance(v, int) and v}
+    else:
+        for _, reason in skipped:
+            by_reason[reason.lower()] = by_reason.get(reason.lower(), 0) + 1
+    steps = ", ".join(str(s) for s, _ in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
+    return {
+        "skipped_steps": last.get("skipped_total", len(skipped)),
+        "skipped_by_reason": ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) or "-",
+        "skipped_at_steps": steps or "-",
+    }

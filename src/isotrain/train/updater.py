@@ -12,17 +12,53 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain.guard import FaultInjector, Rollback, RollbackAction, StepGuard, StepOutcome
+from isotrain.guard import (
+    FaultInjector,
+    Rollback,
+    RollbackAction,
+    SkipReason,
+    StepGuard,
+    StepOutcome,
+)
 from isotrain.train.config import TrainConfig
 from isotrain.train.parallel import DistInfo, all_reduce_mean
 from isotrain.train.state import Updater
 
-__all__ = ["GuardedUpdater", "PlainUpdater", "build_updater"]
+__all__ = ["GuardedUpdater", "PlainUpdater", "SkipLog", "build_updater"]
 
 
 def _make_scaler(cfg: TrainConfig, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling; fp32 and bf16 do not."""
     return torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+
+
+class SkipLog:
+    """Every step's skip reason, kept as the device tensor the guard returned and read all
+    at once (`drain`, one sync) at a log step, so each skip becomes a record by its step."""
+
+    FOLD = 1024  # unread reasons are concatenated in blocks: bounded list, no op per step
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.blocks: list[torch.Tensor] = []
+        self.recent: list[torch.Tensor] = []
+
+    def add(self, step: int, reason: torch.Tensor) -> None:
+        """Remember step `step`'s reason (a 0-d int tensor, `SkipReason` codes)."""
+        self.steps.append(step)
+        self.recent.append(reason.reshape(1))
+        if len(self.recent) == self.FOLD:
+            self.blocks.append(torch.cat(self.recent))
+            self.recent = []
+
+    def drain(self) -> list[tuple[int, str]]:
+        """(step, reason name) of each skipped step since the last drain, in step order."""
+        if not self.steps:
+            return []
+        codes = torch.cat(self.blocks + self.recent).tolist()  # sync: log steps only
+        out = [(s, SkipReason(c).name) for s, c in zip(self.steps, codes) if c]
+        self.steps, self.blocks, self.recent = [], [], []
+        return out
 
 
 class PlainUpdater:
@@ -40,6 +76,7 @@ class PlainUpdater:
         self.optimizer, self.scaler, self.max_norm = optimizer, scaler, cfg.optim.grad_clip
         steps = cfg.guard.inject_nan_at
         self.inject = FaultInjector(at_steps=steps) if steps else None
+        self.skips = SkipLog()
 
     def backward(self, loss: torch.Tensor, step: int) -> torch.Tensor:
         """Backward of the (scaled) loss; returns the loss as used, faults injected included."""
@@ -63,6 +100,10 @@ class PlainUpdater:
     def read(self, outcome: Any) -> dict[str, Any]:
         # mean over ranks (all ranks log at the same steps); an FSDP DTensor gives its full value
         return {k: float(all_reduce_mean(v)) for k, v in outcome.items()}  # sync: log step only
+
+    def drain_skips(self) -> list[tuple[int, str]]:
+        """(step, reason) of each step skipped since the last call (reads the device once)."""
+        return self.skips.drain()
 
     def lr_factor(self, step: int) -> float:
         return 1.0
@@ -121,7 +162,9 @@ class GuardedUpdater(PlainUpdater):
         self.last_action: RollbackAction | None = None
 
     def step(self, loss: torch.Tensor, step: int) -> StepOutcome:
-        return self.guard.step(loss)
+        outcome = self.guard.step(loss)
+        self.skips.add(step + 1, outcome.reason)  # numbered as in the logs, from 1
+        return outcome
 
     def read(self, outcome: StepOutcome) -> dict[str, Any]:
         rec = outcome.to_dict()  # sync: log step only

@@ -1,0 +1,214 @@
+"""`isotrain sample | plot | report | export | prepare`: each command's options and wiring."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from isotrain.train.cli_args import RunArgs, check_output, parse, run_of
+from isotrain.train.config import ConfigError
+
+__all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleArgs(RunArgs):
+    """Generate text from a trained run, through the tokenizer it trained with.
+
+    RUN: a run directory, a .safetensors file from `isotrain export`, or hf:FOLDER."""
+
+    prompt: str = "def "
+    """Text to continue."""
+    prompt_file: str | None = None
+    """Read the prompt from this UTF-8 file instead of --prompt."""
+    tokens: int = 200
+    """Number of tokens to generate."""
+    temperature: float = 0.8
+    """Sampling temperature; 0 picks the most likely token."""
+    top_k: int | None = 50
+    """Sample among the k most likely tokens (None: all)."""
+    top_p: float | None = None
+    """Sample among the most likely tokens whose probabilities sum to p (None: off)."""
+    num_samples: int = 1
+    """Number of samples, drawn as one batch."""
+    seed: int = 0
+    """Seed of the sampling generator (the global RNG is never touched)."""
+    which: Literal["latest", "best"] = "latest"
+    """Snapshot to load: the newest or the best-validation one."""
+
+
+def cmd_sample(argv: Sequence[str]) -> int:
+    from isotrain.train.sampling import check_sampling, samples
+
+    a = parse(SampleArgs, argv, "isotrain sample")
+    run = run_of(a, "isotrain sample")
+    check_sampling(
+        tokens=a.tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        num_samples=a.num_samples,
+    )
+    prompt = a.prompt
+    if a.prompt_file is not None:
+        path = Path(a.prompt_file).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompt-file {a.prompt_file}: no such file")
+        prompt = path.read_text(encoding="utf-8")
+    model, tok = _load(run, a.which)
+    if tok is None:
+        logging.getLogger(__name__).warning("%s has no tokenizer files: text is bytes", run)
+    texts = samples(
+        model,
+        prompt,
+        a.tokens,
+        tokenizer=tok,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        num_samples=a.num_samples,
+        seed=a.seed,
+    )
+    for i, text in enumerate(texts):
+        if len(texts) > 1:
+            sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
+        sys.stdout.write(prompt + text + "\n")
+    return 0
+
+
+def _load(source: str, which: str) -> Any:
+    """Model and tokenizer to sample from; an unreadable export file is a user error."""
+    from isotrain.train.weights import load_with_tokenizer
+
+    if not source.endswith(".safetensors"):
+        return load_with_tokenizer(source, which=which)
+    from safetensors import SafetensorError
+
+    try:
+        return load_with_tokenizer(source, which=which)
+    except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(
+            f"{source}: not a readable isotrain export ({reason}); "
+            "try a file written by isotrain export"
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlotArgs(RunArgs):
+    """Draw a run's loss (every skipped step marked), learning rate, tokens/s and gradient
+    norm as PNG files."""
+
+    out: str | None = None
+    """Folder for the PNG files (default: the run directory)."""
+
+
+def cmd_plot(argv: Sequence[str]) -> int:
+    from isotrain.train.plots import plot_run
+
+    args = parse(PlotArgs, argv, "isotrain plot")
+    run = run_of(args, "isotrain plot")
+    check_output("--out", Path(args.out or run), is_dir=True)
+    for path in plot_run(run, args.out):
+        sys.stdout.write(f"wrote {path}\n")
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReportArgs(RunArgs):
+    """Summarise a run: model, losses, throughput, skipped steps by reason, resumes."""
+
+
+def cmd_report(argv: Sequence[str]) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from isotrain.train.plots import summarize_run
+
+    run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
+    table = Table(title=f"isotrain report: {run}", show_header=False)
+    for key, value in summarize_run(run).items():
+        table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    Console(highlight=False).print(table)
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportArgs(RunArgs):
+    """Write a run's weights (and tokenizer) for use elsewhere."""
+
+    out: str | None = None
+    """Output: a .safetensors file (isotrain format; default RUN/model.safetensors) or a folder
+    (hf format; default RUN/hf)."""
+    format: Literal["isotrain", "hf"] = "isotrain"
+    """isotrain: one .safetensors file `sample` and `--init-from` read; hf: a GPT-2 folder for
+    transformers (config.json, model.safetensors, tokenizer files)."""
+    which: Literal["latest", "best"] = "latest"
+    """Snapshot to read: the newest or the best-validation one."""
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    from isotrain.train.export import export_run
+
+    a = parse(ExportArgs, argv, "isotrain export")
+    run = run_of(a, "isotrain export")
+    hf = a.format == "hf"
+    target = Path(a.out or (f"{run}/hf" if hf else f"{run}/model.safetensors"))
+    check_output("--out", target, is_dir=hf)
+    out, snap = export_run(run, target, which=a.which, fmt=a.format)
+    sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
+    return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrepareArgs:
+    """Tokenize text into train.bin / val.bin (+ meta.json) for memory-mapped training."""
+
+    input: tuple[str, ...]
+    """Text files, folders or globs (quote them); .jsonl records; .json/.parquet need datasets."""
+    out: str
+    """Output folder; train with --data.path OUT."""
+    val_input: str | None = None
+    """Validation text (default: held out from the input, by file or from the tail)."""
+    tokenizer: str = "bytes"
+    """bytes | bpe (byte-level BPE learned from the training text) | PATH/tokenizer.json."""
+    vocab_size: int = 1024
+    """Tokens of the BPE to learn (--tokenizer bpe)."""
+    val_fraction: float = 0.1
+    """Share of the input held out for validation."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl / .json / .parquet records."""
+    bpe_train_bytes: int = 100_000_000
+    """Learn BPE merges from at most this many bytes of training text."""
+    overwrite: bool = False
+    """Replace a folder's existing train.bin / val.bin."""
+    progress: bool = True
+    """Show progress bars."""
+
+
+def cmd_prepare(argv: Sequence[str]) -> int:
+    from isotrain.train.prepare import prepare
+
+    a = parse(PrepareArgs, argv, "isotrain prepare")
+    meta = prepare(
+        list(a.input),
+        a.out,
+        val_input=a.val_input,
+        tokenizer=a.tokenizer,
+        vocab_size=a.vocab_size,
+        val_fraction=a.val_fraction,
+        text_field=a.text_field,
+        bpe_train_bytes=a.bpe_train_bytes,
+        overwrite=a.overwrite,
+        progress=a.progress,
+    )
+    splits = meta["splits"]
+    sys.stdout.write(
+        f"wrote {a.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val "
+        f"tokens ({meta['dtype']}, tokenizer {meta['tokenizer']}); train with --data.path {a.out}\n"
+    )
+    return 0
