@@ -47,10 +47,10 @@ def test_every_field_has_help_text() -> None:
 
 PRESET_VALUES = {
     "tiny": {
-        **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 256},
+        **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 128},
         **{"model.dropout": 0.0, "data.batch_size": 16, "data.max_bytes": 4_000_000},
-        **{"optim.lr": 2e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 50},
-        **{"steps": 500, "eval_every": 100, "eval_batches": 8, "log_every": 10},
+        **{"optim.lr": 4e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 50},
+        **{"steps": 1000, "eval_every": 200, "eval_batches": 8, "log_every": 10},
         **{"sample_tokens": 200, "progress": True},
     },
     "small": {
@@ -116,10 +116,10 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
             "--model.d-model 130 is invalid: it must be divisible by --model.n-head (4); "
             "try --model.d-model 128",
         ),
-        ({"steps": -5}, "--steps -5 is invalid: it must be a positive integer; try --steps 500"),
+        ({"steps": -5}, "--steps -5 is invalid: it must be a positive integer; try --steps 1000"),
         (
             {"optim": C.OptimConfig(lr=0.0)},
-            "--optim.lr 0.0 is invalid: the learning rate must be positive; try --optim.lr 0.002",
+            "--optim.lr 0.0 is invalid: the learning rate must be positive; try --optim.lr 0.004",
         ),
         (
             {"optim": C.OptimConfig(lr=1e-3, min_lr=1e-2)},
@@ -132,7 +132,7 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
         (
             {"data": C.DataConfig(buckets=(64, 512))},
             "--data.buckets 64 512 is invalid: every bucket must be in 1..--model.block-size "
-            "(256); try --data.buckets 128 256",
+            "(128); try --data.buckets 64 128",
         ),
         (
             {"data": C.DataConfig(buckets=(64, 32))},
@@ -144,7 +144,7 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
             "--quant.bits 32 is invalid: use 0 (off) or 1..16; try --quant.bits 0",
         ),
         # types, from the annotations, whatever the source (here: Python)
-        ({"steps": True}, "--steps True is invalid: it must be an integer; try --steps 500"),
+        ({"steps": True}, "--steps True is invalid: it must be an integer; try --steps 1000"),
         (
             {"precision": "fp8"},
             "--precision 'fp8' is invalid: it must be one of 'auto', 'fp32', "
@@ -156,7 +156,7 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
         ),
         (
             {"optim": C.OptimConfig(lr=float("nan"))},
-            "--optim.lr nan is invalid: it must be a finite number; try --optim.lr 0.002",
+            "--optim.lr nan is invalid: it must be a finite number; try --optim.lr 0.004",
         ),
         (
             {"data": C.DataConfig(path=3)},

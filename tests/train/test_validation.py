@@ -19,7 +19,7 @@ TRY = "; try isotrain train --help"  # tyro's own parse errors end so
 # <file> is a regular file, <toml> the TOML file of the case: both are filled in per test.
 TRAIN_CASES = [
     ("lr-inf", ["--optim.lr", "inf"], None,
-     "--optim.lr inf is invalid: it must be a finite number; try --optim.lr 0.002"),
+     "--optim.lr inf is invalid: it must be a finite number; try --optim.lr 0.004"),
     ("lr-inf", [], "[optim]\nlr = inf\n",
      "--config <toml>: optim.lr = inf is invalid: it must be a finite number; "
      "try [optim] lr = 0.002"),

@@ -77,7 +77,7 @@ class DataConfig:
 class OptimConfig:
     """AdamW and the learning-rate schedule."""
 
-    lr: float = 2e-3
+    lr: float = 4e-3
     """Peak learning rate after warmup."""
     min_lr: float = 2e-4
     """Learning rate at the end of the cosine decay."""
@@ -197,11 +197,11 @@ class TrainConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
-    steps: int = 500
+    steps: int = 1000
     """Optimizer steps to train for."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    eval_every: int = 100
+    eval_every: int = 200
     """Evaluate on the validation split every N steps (and at the end)."""
     eval_batches: int = 8
     """Validation batches per evaluation (a fixed set, the same every time)."""
@@ -237,7 +237,7 @@ class TrainConfig:
 
 
 def _tiny() -> TrainConfig:
-    """The CPU default: about 0.8M parameters, a few minutes on two laptop cores."""
+    """The CPU default: 0.8M parameters, 1000 steps of 16 x 128 tokens, ~70 s on two cores."""
     return TrainConfig()
 
 
@@ -256,7 +256,7 @@ def _smoke() -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(n_layer=2, n_head=2, d_model=32, block_size=32),
         data=DataConfig(max_bytes=200_000, batch_size=4),
-        optim=OptimConfig(warmup_steps=2),
+        optim=OptimConfig(lr=2e-3, warmup_steps=2),
         steps=8,
         eval_every=4,
         eval_batches=2,

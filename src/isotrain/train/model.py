@@ -30,7 +30,7 @@ class GPTConfig:
     """Attention heads per block; must divide d_model."""
     d_model: int = 128
     """Width of the residual stream."""
-    block_size: int = 256
+    block_size: int = 128
     """Context length in tokens (bytes for the default tokenizer)."""
     vocab_size: int = 256
     """Vocabulary size: 256 for bytes; the number of tokens to train for --tokenizer bpe; at

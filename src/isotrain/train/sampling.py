@@ -105,7 +105,9 @@ def sample(
     )[0]
 
 
-def prompt_from(tokens: np.ndarray, tokenizer: Tokenizer, *, seed: int, window: int = 64) -> str:
+def prompt_from(
+    tokens: np.ndarray, tokenizer: Tokenizer, *, seed: int, window: int = 256, lines: int = 4
+) -> str:
     """A few whole lines from `tokens` (e.g. the validation split) at a seeded position: a
     prompt in the corpus's own style, so the sample shows what the model learned of it."""
     if len(tokens) <= window:
@@ -113,6 +115,6 @@ def prompt_from(tokens: np.ndarray, tokenizer: Tokenizer, *, seed: int, window: 
     start = int(np.random.default_rng(seed).integers(0, len(tokens) - window))
     piece = np.asarray(tokens[start : start + window], dtype=np.int64)
     text = tokenizer.decode(torch.as_tensor(piece))
-    lines = text.split("\n")
-    whole = [ln for ln in lines[1:-1] if ln.strip()]  # the first and last lines are cut
+    cut = text.split("\n")[1:-1]  # the first and last lines may be cut
+    whole = [ln for ln in cut if ln.strip()][:lines]
     return "\n".join(whole) + "\n" if whole else text
