@@ -1,5 +1,6 @@
 # isotrain: `make train` and `make test` create the environment when it is missing, then run.
-# TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"
+# TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"; every later
+# pip call is constrained to the torch it installed (torch-pin.txt), so no extra pulls another.
 # `make train` installs what training and its follow-ups need (plots, export); test, lint, docs
 # and bench add the dev tools. `make sample|plot|report|export` act on RUN (default runs/default).
 # `make lint`: ruff (style) and mypy (strict types on src/isotrain).
@@ -9,6 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
+PIN := $(VENV)/torch-pin.txt
 RUN ?= runs/default
 ISOTRAIN := $(VENV)/bin/isotrain
 
@@ -18,11 +20,12 @@ $(RUN_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH)
-	$(PY) -m pip install --quiet -e ".[plots,export]"
+	$(PY) -c "import importlib.metadata as m; print('torch==' + m.version('torch'))" > $(PIN)
+	$(PY) -m pip install --quiet -c $(PIN) -e ".[plots,export]"
 	touch $(RUN_STAMP)
 
 $(DEV_STAMP): $(RUN_STAMP)
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -c $(PIN) -e ".[dev]"
 	touch $(DEV_STAMP)
 
 train: $(RUN_STAMP)
@@ -49,7 +52,7 @@ lint: $(DEV_STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(DEV_STAMP)
-	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m pip install --quiet -c $(PIN) -e ".[bench]"
 	$(PY) benchmarks/run_all.py
 
 docs: $(DEV_STAMP)
