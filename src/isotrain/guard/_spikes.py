@@ -151,11 +151,13 @@ class HostSpikeDetector:
         The guard's per-step path: its values come from float32 tensors.
         """
         slot = self.count % self.window
-        for ring, i, v in zip(self._ints, range(len(values)), values, strict=True):
-            old, new = ring[slot], int(v * _SCALE)
+        rings, sums, sumsqs = self._ints, self._sum, self._sumsq
+        for i in range(len(rings)):  # plain loop: this runs every guarded step
+            ring = rings[i]
+            old, new = ring[slot], int(values[i] * _SCALE)
             ring[slot] = new
-            self._sum[i] += new - old
-            self._sumsq[i] += new * new - old * old
+            sums[i] += new - old
+            sumsqs[i] += new * new - old * old
         self.count += 1
         self._set_limits()
 
@@ -170,11 +172,12 @@ class HostSpikeDetector:
         if self.count < self.min_samples:
             return
         n = min(self.count, self.window)
+        k, floor, ldexp, sqrt = self.k, self.REL_STD_FLOOR, math.ldexp, math.sqrt
         limits = []
-        for s, q in zip(self._sum, self._sumsq, strict=True):  # see NOTE [exact host window]
-            mean = math.ldexp(float(s) / n, -_SHIFT)
-            std = math.sqrt(math.ldexp(float(n * q - s * s) / (n * (n - 1)), -2 * _SHIFT))
-            limits.append(mean + self.k * max(std, abs(mean) * self.REL_STD_FLOOR))
+        for s, q in zip(self._sum, self._sumsq):  # see NOTE [exact host window]
+            mean = ldexp(float(s) / n, -_SHIFT)
+            std = sqrt(ldexp(float(n * q - s * s) / (n * (n - 1)), -2 * _SHIFT))
+            limits.append(mean + k * max(std, abs(mean) * floor))
         self._limits = limits
 
     def state_dict(self) -> dict[str, Any]:

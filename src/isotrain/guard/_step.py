@@ -160,13 +160,17 @@ class StepGuard:
             self._last = torch.zeros(4, dtype=torch.float32, device=dev)
             self._count_table = self._make_count_table().to(dev)
 
-    def _buffer_guard(self, model: Any) -> BufferGuard:
+    def _buffer_guard(self, model: Any) -> BufferGuard | None:
         if not isinstance(model, nn.Module):
             raise ValueError(
                 "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
                 f"argument to find its buffers, got {type(model).__name__}"
             )
-        return BufferGuard(model, self._warn_once)
+        guard = BufferGuard(model, self._warn_once)
+        if not guard.slots:  # nothing to protect: no hook, so forwards keep their fast path
+            guard.close()
+            return None
+        return guard
 
     # -- the step -------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float) -> StepOutcome:

@@ -46,16 +46,17 @@ class SkipLog:
     def add(self, step: int, reason: torch.Tensor) -> None:
         """Remember step `step`'s reason (a 0-d int tensor, `SkipReason` codes)."""
         self.steps.append(step)
-        self.recent.append(reason.reshape(1))
+        self.recent.append(reason)
         if len(self.recent) == self.FOLD:
-            self.blocks.append(torch.cat(self.recent))
+            self.blocks.append(torch.stack(self.recent))
             self.recent = []
 
     def drain(self) -> list[tuple[int, str]]:
         """(step, reason name) of each skipped step since the last drain, in step order."""
         if not self.steps:
             return []
-        codes = torch.cat(self.blocks + self.recent).tolist()  # sync: log steps only
+        recent = [torch.stack(self.recent)] if self.recent else []
+        codes = torch.cat(self.blocks + recent).tolist()  # sync: log steps only
         out = [(s, SkipReason(c).name) for s, c in zip(self.steps, codes) if c]
         self.steps, self.blocks, self.recent = [], [], []
         return out
