@@ -195,10 +195,10 @@ OTHER_CASES = [
      "isotrain report: error: two runs given (<run>, --run <dir>); try just RUN"),
     ("sample-temperature-negative", ["sample", "<run>", "--temperature", "-1"],
      "isotrain sample: error: --temperature -1.0 is invalid: use a finite number >= 0 "
-     "(0 picks the most likely token); try --temperature 0.8"),
+     "(0 picks the most likely token); try --temperature 0.7"),
     ("sample-temperature-nan", ["sample", "<run>", "--temperature", "nan"],
      "isotrain sample: error: --temperature nan is invalid: use a finite number >= 0 "
-     "(0 picks the most likely token); try --temperature 0.8"),
+     "(0 picks the most likely token); try --temperature 0.7"),
     ("sample-top-k-zero", ["sample", "<run>", "--top-k", "0"],
      "isotrain sample: error: --top-k 0 is invalid: use 1 or more, or None (all); "
      "try --top-k 50"),

@@ -27,7 +27,7 @@ class SampleArgs(RunArgs):
     """Read the prompt from this UTF-8 file instead of --prompt."""
     tokens: int = 200
     """Number of tokens to generate."""
-    temperature: float = 0.8
+    temperature: float = 0.7
     """Sampling temperature; 0 picks the most likely token."""
     top_k: int | None = 50
     """Sample among the k most likely tokens (None: all)."""
