@@ -62,7 +62,11 @@ COLUMNS = [
     "CI half-width",
     "wall tokens/s",
 ]
-LOSS_TOL = {"fp32": 1e-3, "bf16": 2e-2, "fp16": 2e-2}
+# NOTE [loss tolerance]: isotrain runs plain's kernels in plain's order, so it must end bit for
+# bit where plain ends (checked exactly). nanoGPT's CPU AdamW is the for-loop kernel and Fabric
+# clips through its own path: their rounding differs from the first step and, over hundreds of
+# rounds, compounds to about 1% of the loss (a broken loop differs by far more).
+LOSS_TOL = {"fp32": 2e-2, "bf16": 3e-2, "fp16": 3e-2}
 
 
 def throughput(
@@ -181,7 +185,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         interleave(variants, rounds=args.rounds, until=stopper, on_round=progress, first_warmup=2)
     )
     after = losses(variants)
-    ok, detail = loss_check(before, after, rel_tol=LOSS_TOL[args.precision])
+    exact = ("isotrain",) if args.precision == "fp32" else ()
+    ok, detail = loss_check(before, after, rel_tol=LOSS_TOL[args.precision], exact=exact)
     skips = skipped(variants)
     res: dict[str, Any] = {
         "meta": run_meta("bench_trainer.py", argv, load_before, args.device),

@@ -413,22 +413,30 @@ def losses(variants: dict[str, Variant]) -> dict[str, float]:
 
 
 def loss_check(
-    before: dict[str, float], after: dict[str, float], *, rel_tol: float
+    before: dict[str, float],
+    after: dict[str, float],
+    *,
+    rel_tol: float,
+    exact: tuple[str, ...] = (),
 ) -> tuple[bool, str]:
     """The same loss from the same weights, the same after training (within `rel_tol`), and a
-    loss that moved in every variant (each one trained)."""
+    loss that moved in every variant (each one trained). Variants in `exact` must end bit for
+    bit where `plain` ends: they run the same kernels in the same order."""
 
     def spread(d: dict[str, float]) -> float:
         return (max(d.values()) - min(d.values())) / abs(min(d.values()))
 
     moved = all(after[n] != before[n] for n in after)
-    ok = spread(before) <= rel_tol and spread(after) <= rel_tol and moved
+    same = all(after[n] == after["plain"] for n in exact if n in after)
+    ok = spread(before) <= rel_tol and spread(after) <= rel_tol and moved and same
     detail = (
         f"losses before {min(before.values()):.6f}-{max(before.values()):.6f}, after "
         f"{min(after.values()):.6f}-{max(after.values()):.6f}: relative spread "
         f"{spread(before):.1e} / {spread(after):.1e} (tolerance {rel_tol:g}); "
         f"every variant trained: {moved}"
     )
+    if exact:
+        detail += f"; {', '.join(exact)} bit-equal to plain after training: {same}"
     return ok, detail
 
 
