@@ -35,6 +35,7 @@ from common import (
     machine_line,
     out_dir,
     run_meta,
+    steady_malloc,
     torch_threads,
     write_results,
 )
@@ -257,4 +258,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    steady_malloc()
     raise SystemExit(main())

@@ -44,6 +44,7 @@ from common import (
     machine_line,
     out_dir,
     run_meta,
+    steady_malloc,
     torch_threads,
     write_results,
 )
@@ -351,7 +352,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--d-model", type=int, default=SMALL.d_model)
     p.add_argument("--block", type=int, default=SMALL.block_size)
     p.add_argument("--batch", type=int, default=2, help="the preset's is 16: kept small for time")
-    p.add_argument("--rounds", type=int, default=60, help="the most rounds")
+    p.add_argument("--rounds", type=int, default=120, help="the most rounds")
     p.add_argument("--min-rounds", type=int, default=20)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="square matmul n")
     p.add_argument("--peak-reps", type=int, default=3)
@@ -375,4 +376,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    steady_malloc()
     raise SystemExit(main())

@@ -43,6 +43,7 @@ from common import (
     machine_line,
     out_dir,
     run_meta,
+    steady_malloc,
     torch_threads,
     write_results,
 )
@@ -406,4 +407,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    steady_malloc()
     raise SystemExit(main())

@@ -65,6 +65,35 @@ def torch_threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
+# NOTE [steady malloc]: glibc returns a freed multi-MiB block to the kernel and maps fresh,
+# zeroed pages for the next one, so a benchmark that frees large tensors every step also times
+# page faults, whose number varies from round to round (on a VM that reclaims memory, more so:
+# bench_autograd's eager intervals stayed at +-5% after 200 rounds, and bench_mfu's fp32 step
+# swung between 310 and 470 ms). Keeping freed memory in the heap, as a long training run's
+# steady state does, times the kernels: the same runs then meet +-2% in a fraction of the rounds.
+STEADY_MALLOC = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's largest: blocks to 32 MiB stay in the heap
+    "MALLOC_TRIM_THRESHOLD_": str(2**30),  # never hand the heap's free top back to the kernel
+    "MALLOC_TOP_PAD_": str(256 * 2**20),  # grow the heap in large steps
+}
+IN_PROCESS = "ISOTRAIN_BENCH_IN_PROCESS"  # set by run_all.py --same-process: never re-exec
+
+
+def steady_malloc() -> None:
+    """Re-run this script once under STEADY_MALLOC (Linux), unless run_all runs it in-process."""
+    if sys.platform == "linux" and not os.environ.get(IN_PROCESS) and allocator() != STEADY:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_MALLOC})
+
+
+STEADY = "malloc keeps freed memory (NOTE [steady malloc])"
+
+
+def allocator() -> str:
+    """How this process's malloc treats freed memory, as the result files state it."""
+    steady = all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items())
+    return STEADY if steady else "malloc defaults"
+
+
 def clock(name: str) -> Callable[[], float]:
     """ "cpu": this process's CPU time (one thread on a shared machine); "wall": perf_counter."""
     return time.process_time if name == "cpu" else time.perf_counter
@@ -94,6 +123,7 @@ def machine(device: torch.device | str = "cpu") -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_avg_1m": round(os.getloadavg()[0], 2),
+        "allocator": allocator(),
     }
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
@@ -116,7 +146,8 @@ def machine_line(meta: dict[str, Any]) -> str:
     return (
         f"{dev}{meta['cpu']} [{kind}: {meta.get('bf16', 'bf16 capability not recorded')}; torch "
         f"kernels {meta.get('torch_cpu_capability', '?')}], {meta['cores']} cores, "
-        f"{meta['threads']} torch thread(s), torch {meta['torch']}{libs}{load}"
+        f"{meta['threads']} torch thread(s), torch {meta['torch']}{libs}"
+        f"; {meta.get('allocator', 'malloc not recorded')}{load}"
     )
 
 

@@ -164,10 +164,13 @@ def run_one(b: Bench, cmd: list[str], timeout: float) -> RunRecord:
 
 def run_here(b: Bench, cmd: list[str]) -> RunRecord:
     """Run one script in this interpreter (as __main__, with its argv); record how it ended."""
+    from common import IN_PROCESS  # imports torch, which the scripts run here need anyway
+
     rec = RunRecord(b.name, cmd)
     argv, err = sys.argv, io.StringIO()
     t0 = time.perf_counter()
     sys.argv = cmd[1:]
+    os.environ[IN_PROCESS] = "1"
     try:
         with contextlib.redirect_stderr(err):
             runpy.run_path(cmd[1], run_name="__main__")
@@ -179,6 +182,7 @@ def run_here(b: Bench, cmd: list[str]) -> RunRecord:
         err.write(traceback.format_exc())
     finally:
         sys.argv = argv
+        del os.environ[IN_PROCESS]
     rec.seconds, rec.stderr_tail = time.perf_counter() - t0, err.getvalue()[-2000:]
     print(f"=== {b.name}: exit {rec.returncode} in {rec.seconds:.1f} s", flush=True)
     return rec

@@ -256,6 +256,21 @@ def test_quick_run_writes_its_table_and_passes_its_checks(quick_run, name: str) 
     assert all(c["ok"] for c in result["checks"].values()), result["checks"]
     meta = result["meta"]
     assert meta["cpu_kind"] and meta["bf16"] and meta["cpu"]  # every file names its machine
+    assert meta["allocator"] == "malloc defaults"  # in-process: never re-executed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc malloc settings")
+def test_a_script_run_as_a_program_times_under_steady_malloc(tmp_path: Path) -> None:
+    """NOTE [steady malloc]: the script re-runs itself once with the settings and records them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(PYTHONPATH=str(ROOT / "src"), MPLBACKEND="Agg")
+    cmd = [sys.executable, str(BENCH / "bench_contexts.py"), "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads((tmp_path / "contexts.json").read_text())["meta"]
+    assert meta["allocator"] == "malloc keeps freed memory (NOTE [steady malloc])"
+    assert "malloc keeps freed memory" in (tmp_path / "contexts.md").read_text()
 
 
 @pytest.mark.slow
