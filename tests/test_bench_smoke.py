@@ -283,6 +283,7 @@ def test_quick_run_compares_against_both_plain_loops(quick_run) -> None:
     core = max(r["gflops"] for r in mfu["peaks"] if r["gflops"])
     assert mfu["core_peak"]["gflops"] == core  # the MFU denominator: the best of every dtype
     assert {r["dtype"] for r in mfu["peaks"]} == {"fp32", "bf16", "fp16"}
+    assert "Subnormals: flushed to zero in every loop" in (out / "mfu.md").read_text()
 
 
 @pytest.mark.slow

@@ -141,3 +141,16 @@ def test_readme_layout_names_every_package_and_module() -> None:
     assert tops <= named, f"not in the README layout: {sorted(tops - named)}"
     train = {p.name for p in (src / "train").glob("*.py") if p.name != "__init__.py"}
     assert all(name in block for name in train), sorted(n for n in train if n not in block)
+
+
+def test_readme_figures_come_from_committed_results() -> None:
+    """Every interval the README quotes is printed verbatim in a committed results file, and
+    every benchmark script and results path it names exists: no number without its source."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    results = ROOT / "benchmarks" / "results"
+    printed = "".join(p.read_text(encoding="utf-8") for p in results.glob("*/*.md"))
+    intervals = re.findall(r"\[-?\d+(?:\.\d+)?, -?\d+(?:\.\d+)?\]", readme)
+    assert len(intervals) >= 20, "the README's benchmark tables lost their intervals"
+    assert [i for i in intervals if i not in printed] == []
+    paths = set(re.findall(r"benchmarks/(?:results/[\w./-]*\w|[\w]+\.py)", readme))
+    assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
