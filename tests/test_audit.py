@@ -23,6 +23,7 @@ from isotrain.contexts import (
     eval_mode,
     frozen,
     rng_isolated,
+    subnormals_flushed,
     train_mode,
 )
 
@@ -101,6 +102,8 @@ LEAKS = {
     "matmul-precision": Leak(lambda s: torch.set_float32_matmul_precision("medium"),
                              "float32 matmul precision: highest -> medium",
                              lambda s: torch.get_float32_matmul_precision()),
+    "subnormals": Leak(lambda s: torch.set_flush_denormal(True),
+                       "subnormals flushed: False -> True", lambda s: subnormals_flushed()),
     "compiler-stance": Leak(lambda s: _set_stance("force_eager"),
                             "compiler stance: default -> force_eager",
                             lambda s: None, undo=lambda s: _set_stance("default")),

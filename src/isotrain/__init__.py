@@ -66,9 +66,11 @@ from isotrain.contexts import (
     autocast_if_available,
     capture_rng_state,
     eval_mode,
+    flush_subnormals,
     frozen,
     restore_rng_state,
     rng_isolated,
+    subnormals_flushed,
     train_mode,
 )
 from isotrain.guard import (
@@ -131,6 +133,7 @@ __all__ = [
     "fake_quantize",
     "find_blocks",
     "find_nonfinite_source",
+    "flush_subnormals",
     "frozen",
     "fused_fake_quantize",
     "gumbel_softmax_st",
@@ -153,6 +156,7 @@ __all__ = [
     "save_failure_case",
     "selective_policy",
     "sign_ste",
+    "subnormals_flushed",
     "track_compiles",
     "train_mode",
     "warmup",

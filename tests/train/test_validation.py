@@ -37,6 +37,11 @@ TRAIN_CASES = [
     ("precision-fp8", [], 'precision = "fp8"\n',
      "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'auto', 'fp32', "
      "'bf16', 'fp16'; try precision = \"fp32\""),
+    ("subnormals-off", ["--subnormals", "off"], None,
+     "invalid choice 'off' for argument '--subnormals'. Expected one of ('flush', 'keep')" + TRY),
+    ("subnormals-off", [], 'subnormals = "off"\n',
+     "--config <toml>: subnormals = \"off\" is invalid: it must be one of 'flush', 'keep'; "
+     "try subnormals = \"flush\""),
     ("steps-true", ["--steps", "true"], None,
      "Error parsing --steps: invalid literal for int() with base 10: 'true'" + TRY),
     ("steps-true", [], "steps = true\n",

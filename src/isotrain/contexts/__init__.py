@@ -1,8 +1,8 @@
 """State contexts that always undo themselves, and an audit that proves nothing leaked.
 
-Mode, precision, gradient and RNG changes are captured on entry and restored in ``finally``,
-per submodule. This ``__init__`` is the package's whole public API; the ``_``-modules behind
-it are private.
+Mode, precision, gradient, RNG and subnormal-flushing changes are captured on entry and
+restored in ``finally``, per submodule. This ``__init__`` is the package's whole public API;
+the ``_``-modules behind it are private.
 """
 
 from isotrain.contexts._audit import StateAudit, StateLeakError, assert_isolated
@@ -17,6 +17,7 @@ from isotrain.contexts._scoped import (
     rng_isolated,
     train_mode,
 )
+from isotrain.contexts._subnormals import flush_subnormals, subnormals_flushed
 
 __all__ = [
     "AutocastInfo",
@@ -26,9 +27,11 @@ __all__ = [
     "autocast_if_available",
     "capture_rng_state",
     "eval_mode",
+    "flush_subnormals",
     "frozen",
     "resolve_autocast",
     "restore_rng_state",
     "rng_isolated",
+    "subnormals_flushed",
     "train_mode",
 ]

@@ -1,9 +1,10 @@
 """Audit of PyTorch's invisible state: report anything a block changed and did not restore.
 
 ``StateAudit`` snapshots grad/inference/anomaly mode, autocast, default dtype, deterministic
-flags, thread count, matmul precision, compiler stance, the global RNGs and (for the modules
-you pass) every training and ``requires_grad`` flag and every buffer (BatchNorm statistics,
-bit for bit), optionally every parameter value and gradient too, then names each difference.
+flags, thread count, matmul precision, compiler stance, subnormal flushing, the global RNGs
+and (for the modules you pass) every training and ``requires_grad`` flag and every buffer
+(BatchNorm statistics, bit for bit), optionally every parameter value and gradient too, then
+names each difference.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from isotrain._shared import (
     rng_differences,
 )
 from isotrain._torch_private import compiler_stance
+from isotrain.contexts._subnormals import subnormals_flushed
 
 __all__ = ["StateAudit", "StateLeakError", "assert_isolated"]
 
@@ -59,6 +61,7 @@ _GLOBALS: dict[str, Callable[[], Any]] = {
     "anomaly check_nan": torch.is_anomaly_check_nan_enabled,
     "float32 matmul precision": torch.get_float32_matmul_precision,
     "compiler stance": compiler_stance,
+    "subnormals flushed": subnormals_flushed,
 }
 
 
@@ -159,6 +162,8 @@ def _restore_globals(before: dict[str, Any]) -> None:
         torch.set_anomaly_enabled(before["anomaly mode"], before["anomaly check_nan"])
     if changed("float32 matmul precision"):
         torch.set_float32_matmul_precision(before["float32 matmul precision"])
+    if changed("subnormals flushed"):
+        torch.set_flush_denormal(before["subnormals flushed"])
 
 
 class StateAudit:

@@ -216,6 +216,9 @@ class TrainConfig:
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: the faster of fp32 and bf16 on this device for this model (a short probe, cached
     per machine); bf16/fp16 autocast (fp16 adds a GradScaler); fp32: none."""
+    subnormals: Literal["flush", "keep"] = "flush"
+    """CPU float math: flush values below 1.2e-38 to zero, which x86 cores otherwise compute on
+    a slow path (an fp32 step can take twice as long); keep: IEEE behaviour."""
     out_dir: str = "runs/default"
     """Run directory: metrics, snapshots, plots."""
     resume: str | None = None

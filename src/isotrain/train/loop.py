@@ -21,7 +21,7 @@ from torch import nn
 from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
-from isotrain.contexts import rng_isolated
+from isotrain.contexts import flush_subnormals, rng_isolated
 from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.inputs import load_inputs
@@ -201,6 +201,7 @@ def train(cfg: TrainConfig) -> TrainState:
     SIGINT or SIGTERM: a snapshot of the current step, then `TrainingStopped`.
     """
     with (
+        flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
         process_group_scope(),
         rng_isolated(seed=cfg.seed),
         stop_on_signals() as stop,
@@ -215,7 +216,8 @@ def train(cfg: TrainConfig) -> TrainState:
                 total_steps=cfg.steps, enabled=main, live=cfg.progress, start_step=st.step
             ) as reporter,
         ):
-            reporter.header(_facts(run, st.step, precision=run.precision_note or cfg.precision))
+            precision = run.precision_note or cfg.precision
+            reporter.header(_facts(run, st.step, precision=precision, flushed=flushed))
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
             with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
@@ -320,16 +322,21 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
     )
 
 
-def _facts(run: Run, first: int, *, precision: str) -> list[str]:
-    """The run header: model, data, device, precision (as the caller describes it: the
-    setting, or what auto chose and why), run directory."""
+def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
+    """The run header: model, data, device (with subnormal flushing on a CPU), precision (as
+    the caller describes it: the setting, or what auto chose and why), run directory."""
     cfg, m = run.cfg, run.cfg.model
     params = run.model.num_params()
     where = f"resumed at step {first}" if first else "new run"
     if cfg.init_from and not first:
         where += f", weights from --init-from {cfg.init_from}"
     dev = run.dist.device
-    threads = f", {torch.get_num_threads()} threads" if dev.type == "cpu" else ""
+    threads = ""
+    if dev.type == "cpu":
+        asked = cfg.subnormals == "flush"
+        how = "flushed to zero" if flushed else "kept"
+        why = " (this CPU cannot flush them)" if asked and not flushed else ""
+        threads = f", {torch.get_num_threads()} threads, subnormals {how}{why}"
     world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
     return [
         f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "
