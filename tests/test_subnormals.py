@@ -47,6 +47,17 @@ def test_the_flag_comes_back_after_an_exception_and_when_nested() -> None:
     assert not subnormals_flushed()
 
 
+def test_the_flag_reads_right_under_another_default_dtype_and_device() -> None:
+    with flush_subnormals(), torch.device("meta"):
+        torch.set_default_dtype(torch.float64)  # tiny / 2 is a normal float64
+        try:
+            assert subnormals_flushed()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    with torch.device("meta"):
+        assert not subnormals_flushed()
+
+
 CHILD = """
 import numpy as np, torch
 torch.set_num_threads(2)

@@ -25,7 +25,10 @@ def subnormals_flushed() -> bool:
 
     Example: ``torch.set_flush_denormal(True); assert subnormals_flushed()``
     """
-    smallest_normal = torch.tensor(torch.finfo(torch.float32).tiny)
+    # float32 on the CPU whatever the default dtype or device (a meta or CUDA default included)
+    smallest_normal = torch.tensor(
+        torch.finfo(torch.float32).tiny, dtype=torch.float32, device="cpu"
+    )
     return bool((smallest_normal / 2).item() == 0.0)
 
 
