@@ -24,7 +24,6 @@ Writes mfu.{md,json,png} into benchmarks/results/<cpu-kind>/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import os
@@ -51,6 +50,7 @@ from common import (
     write_results,
 )
 from figures import pyplot
+from isotrain.contexts import flush_subnormals
 from loops import SMALL, VARIANTS, Variant, build, interleave, loss_check, losses, skipped
 from loops import train_config as make_config
 from stats import Stopper, fmt_ci, paired_ratios, summarize
@@ -267,28 +267,13 @@ def verdicts(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-# NOTE [subnormals]: as this model trains in fp32, values below 1.2e-38 appear in its
-# activations and gradients (not in its weights or their gradients: checked), and an x86 core
-# takes a slow microcode path for each operation on them. The fp32 step of this shape went from
-# 320 to over 600 ms between steps 50 and 100, while bf16 dot products flush them in hardware
-# and stayed flat (mfu-subnormals.md, from `--subnormals keep`). So by default every loop runs
-# with subnormals flushed to zero: the table then times kernels, not assists, and fp32 against
-# bf16 is not decided by how long the run has trained.
-# torch.set_flush_denormal acts on the calling thread only; with one torch thread (the default)
-# that thread runs every kernel.
-@contextlib.contextmanager
-def subnormals(mode: str) -> Any:
-    """Flush subnormals to zero for the block ("flush") or keep IEEE behaviour ("keep")."""
-    torch.set_flush_denormal(mode == "flush")
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)  # torch's default; it offers no way to read the flag
-
-
+# Subnormals (NOTE [subnormals] in isotrain/contexts/_subnormals.py): as this model trains in
+# fp32 they appear, and the fp32 step of this shape went from 320 to over 600 ms between steps 50
+# and 100, while bf16 dot products flush them in hardware (mfu-subnormals.md, `--subnormals
+# keep`). By default every loop runs inside flush_subnormals(): the table then times kernels,
+# not microcode assists, and fp32 against bf16 is not decided by how long the run has trained.
 SUBNORMALS = {
-    "flush": "flushed to zero in every loop (`torch.set_flush_denormal(True)`, one thread: "
-    "NOTE [subnormals] in bench_mfu.py)",
+    "flush": "flushed to zero in every loop (`isotrain.flush_subnormals`, one torch thread)",
     "keep": "kept (IEEE default): the fp32 step slows as they appear (NOTE [subnormals])",
 }
 
@@ -401,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     out = out_dir(args)
     stem = "mfu" if args.subnormals == "flush" else "mfu-subnormals"
-    with torch_threads(args.threads), subnormals(args.subnormals):
+    with torch_threads(args.threads), flush_subnormals(args.subnormals == "flush"):
         res = run(args, argv)
     code = write_results(out, stem, res, markdown(res))
     plot(res, out / f"{stem}.png")
