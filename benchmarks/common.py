@@ -66,11 +66,10 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 
 # NOTE [steady malloc]: glibc returns a freed multi-MiB block to the kernel and maps fresh,
-# zeroed pages for the next one, so a benchmark that frees large tensors every step also times
-# page faults, whose number varies from round to round (on a VM that reclaims memory, more so:
-# bench_autograd's eager intervals stayed at +-5% after 200 rounds, and bench_mfu's fp32 step
-# swung between 310 and 470 ms). Keeping freed memory in the heap, as a long training run's
-# steady state does, times the kernels: the same runs then meet +-2% in a fraction of the rounds.
+# zeroed pages for the next one, so a benchmark that frees large tensors every round also times
+# page faults, whose number varies from round to round (bench_autograd's eager intervals stayed
+# at +-5% after 200 rounds). Keeping freed memory in the heap, as a long training run's steady
+# state does, times the kernels: the same run then met +-2% after 130 rounds.
 STEADY_MALLOC = {
     "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # glibc's largest: blocks to 32 MiB stay in the heap
     "MALLOC_TRIM_THRESHOLD_": str(2**30),  # never hand the heap's free top back to the kernel
@@ -79,19 +78,19 @@ STEADY_MALLOC = {
 IN_PROCESS = "ISOTRAIN_BENCH_IN_PROCESS"  # set by run_all.py --same-process: never re-exec
 
 
+def _steady() -> bool:
+    return all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items())
+
+
 def steady_malloc() -> None:
     """Re-run this script once under STEADY_MALLOC (Linux), unless run_all runs it in-process."""
-    if sys.platform == "linux" and not os.environ.get(IN_PROCESS) and allocator() != STEADY:
+    if sys.platform == "linux" and not os.environ.get(IN_PROCESS) and not _steady():
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **STEADY_MALLOC})
-
-
-STEADY = "malloc keeps freed memory (NOTE [steady malloc])"
 
 
 def allocator() -> str:
     """How this process's malloc treats freed memory, as the result files state it."""
-    steady = all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items())
-    return STEADY if steady else "malloc defaults"
+    return "malloc keeps freed memory (NOTE [steady malloc])" if _steady() else "malloc defaults"
 
 
 def clock(name: str) -> Callable[[], float]:
