@@ -49,8 +49,8 @@ from common import (
 )
 from figures import dot_plot, pyplot
 from isotrain.guard import StepGuard
-from isotrain.train.optim import build_optimizer
-from isotrain.train.weights import build_model
+from isotrain.train.update.optim import build_optimizer
+from isotrain.train.weights.load import build_model
 from loops import (
     EARLIER_REFERENCE,
     PROBE,

@@ -32,7 +32,7 @@ from common import (
 )
 from isotrain.train.config import PRESETS, QuantConfig
 from isotrain.train.loop import train
-from isotrain.train.report import read_metrics
+from isotrain.train.rundir.metrics import read_metrics
 
 COLUMNS = ["weights", "val loss (nats/byte)", "vs fp32", "unigram baseline", "wall s"]
 

@@ -30,10 +30,10 @@ import torch
 
 from isotrain.train.config import PRESETS, TrainConfig
 from isotrain.train.loop import setup, train
-from isotrain.train.report import read_metrics
-from isotrain.train.sampling import sample
+from isotrain.train.model.sampling import sample
+from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.step import train_step
-from isotrain.train.weights import load_with_tokenizer
+from isotrain.train.weights.load import load_with_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 

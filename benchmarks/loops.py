@@ -1,7 +1,7 @@
 """The training loops the trainer benchmarks compare, and the interleaved rounds that time them.
 
-Every loop trains isotrain.train.model.GPT from the same seed on the same batches
-(isotrain.train.data.get_batch at the same step indices), with the trainer's AdamW parameter
+Every loop trains isotrain.train.model.gpt.GPT from the same seed on the same batches
+(isotrain.train.data.batches.get_batch at the same step indices), with the trainer's AdamW parameter
 groups, LR schedule and clip norm 1.0:
 
     plain       a tuned hand-written loop: parameter list kept, fused AdamW,
@@ -32,7 +32,6 @@ from typing import Any, ClassVar
 import torch
 
 from isotrain.contexts import eval_mode
-from isotrain.train import data as data_mod
 from isotrain.train.config import (
     CheckpointingConfig,
     CompileConfig,
@@ -41,10 +40,11 @@ from isotrain.train.config import (
     ModelConfig,
     TrainConfig,
 )
+from isotrain.train.data import batches as data_mod
 from isotrain.train.loop import setup
-from isotrain.train.optim import build_optimizer, lr_at
 from isotrain.train.step import train_step
-from isotrain.train.weights import build_model
+from isotrain.train.update.optim import build_optimizer, lr_at
+from isotrain.train.weights.load import build_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 REFERENCE = "the tuned plain loop"  # what "plain" is, in every result file and picture

@@ -37,7 +37,7 @@ def _imports(path: Path) -> list[str]:
                 anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                 base = f"{anchor}.{base}" if base else anchor
             out.append(base)
-            # `from isotrain.train import data` imports the module isotrain.train.data
+            # `from isotrain.train.data import batches` imports isotrain.train.data.batches
             out += [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")]
     return out
 
@@ -85,6 +85,68 @@ def test_the_trainer_imports_only_public_packages() -> None:
             )
 
 
+# The trainer's rooms (sub-packages) and top-level modules, from the top of the import graph
+# down: each may import only what stands below it. Read the README's layout section with it.
+TRAINER_ORDER = (
+    "cli", "loop", "inputs", "weights", "report", "step", "update", "rundir", "state",
+    "precision", "parallel", "config", "model", "data", "environment", "fields",
+)  # fmt: skip
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["isotrain", "train"] and len(parts) > 2 else None
+
+
+def test_every_trainer_module_belongs_to_a_room_in_the_order() -> None:
+    rooms = {_room(m) for m in GRAPH} - {None}
+    assert rooms == set(TRAINER_ORDER), f"unplaced: {sorted(rooms ^ set(TRAINER_ORDER))}"
+
+
+def test_trainer_rooms_import_one_way() -> None:
+    for module, targets in GRAPH.items():
+        room = _room(module)
+        if room is None:
+            continue
+        for target in targets:
+            other = _room(target)
+            if other is None or other == room:
+                continue
+            assert TRAINER_ORDER.index(other) > TRAINER_ORDER.index(room), (
+                f"{module} imports {target}: the room {room} stands below {other}"
+            )
+
+
+def test_each_trainer_room_says_what_it_owns() -> None:
+    for room in TRAINER_ORDER:
+        init = SRC / "isotrain" / "train" / room / "__init__.py"
+        if init.is_file():
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc and len(doc.split()) > 20, f"{init}: no docstring saying what it owns"
+
+
+def test_the_readme_layout_names_only_paths_that_exist() -> None:
+    readme = (SRC.parent / "README.md").read_text()
+    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+    base, named = None, []
+    for line in block.splitlines():
+        head = line.split("  ")[0].strip() if not line.startswith(" ") else ""
+        if head:
+            base = head if head.endswith("/") else None
+            named.append(head)
+        elif base is not None:
+            words = line.strip().split("  ")[0].split()
+            named += [base + w for w in words if w.endswith((".py", "/"))]
+    assert len(named) > 20
+    missing = [n for n in named if not (SRC.parent / n).exists()]
+    assert not missing, f"README layout names paths that do not exist: {missing}"
+    trainer = {p.name for p in (SRC / "isotrain" / "train").iterdir() if p.suffix == ".py"}
+    rooms = {p.name + "/" for p in (SRC / "isotrain" / "train").iterdir() if p.is_dir()}
+    listed = {n.rsplit("/", 2)[-1] or n.rsplit("/", 2)[-2] + "/" for n in named}
+    unlisted = (trainer - {"__init__.py"} | rooms - {"__pycache__/"}) - listed
+    assert not unlisted, f"README layout leaves out {sorted(unlisted)}"
+
+
 def test_nothing_but_the_entry_point_imports_the_trainer() -> None:
     for module, targets in GRAPH.items():
         if module.startswith("isotrain.train") or module == "isotrain.__main__":
@@ -122,3 +184,4 @@ def test_no_import_circle() -> None:
 def test_the_graph_is_read_at_all() -> None:
     assert "isotrain._torch_private" in GRAPH["isotrain.guard._step"]
     assert "isotrain.train.step" in GRAPH["isotrain.train.loop"]
+    assert "isotrain.train.data.batches" in GRAPH["isotrain.train.state"]

@@ -68,14 +68,14 @@ def check_metadata(wheel: Path) -> None:
         meta = Parser().parsestr(zf.read(meta_name).decode())
         entry_points = zf.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     assert "isotrain/py.typed" in names
-    assert "isotrain/train/cli.py" in names
+    assert "isotrain/train/cli/main.py" in names
     assert meta["Name"] == "isotrain" and meta["Requires-Python"].startswith(">=")
     requires = meta.get_all("Requires-Dist") or []
     core = [r for r in requires if "extra ==" not in r]
     assert any(r.startswith("torch>=") for r in core), core
     assert not [r for r in requires if "==" in r.split(";")[0]], "use lower bounds, not pins"
     assert {"plots", "bench", "dev"} <= set(meta.get_all("Provides-Extra") or [])
-    assert "isotrain = isotrain.train.cli:main" in entry_points
+    assert "isotrain = isotrain.train.cli.main:main" in entry_points
 
 
 @pytest.mark.slow

@@ -2,6 +2,6 @@
 
 import sys
 
-from isotrain.train.cli import main
+from isotrain.train.cli.main import main
 
 sys.exit(main())

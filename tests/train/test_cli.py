@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import isotrain
-from isotrain.train.cli import main, parse_train_args
-from isotrain.train.report import read_metrics
-from isotrain.train.snapshot import load_snapshot
+from isotrain.train.cli.main import main, parse_train_args
+from isotrain.train.rundir.metrics import read_metrics
+from isotrain.train.rundir.snapshot import load_snapshot
 from isotrain.train.step import train_step
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000"]
@@ -190,7 +190,7 @@ def test_unknown_command(capsys) -> None:
 
 
 def test_top_level_help_lists_every_command_and_version(capsys) -> None:
-    from isotrain.train.cli import COMMANDS
+    from isotrain.train.cli.main import COMMANDS
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -221,8 +221,8 @@ def test_each_command_shows_only_its_own_options(capsys, command, has, lacks) ->
 
 
 def test_train_help_is_short_and_grouped(capsys) -> None:
+    from isotrain.train.cli.helptext import SECTIONS
     from isotrain.train.config import TrainConfig
-    from isotrain.train.helptext import SECTIONS
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

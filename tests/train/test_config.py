@@ -9,9 +9,9 @@ import operator
 import pytest
 
 from isotrain.train import config as C
-from isotrain.train import model as model_module
-from isotrain.train.cli import parse_train_args
-from isotrain.train.weights import build_model
+from isotrain.train.cli.main import parse_train_args
+from isotrain.train.model import gpt as model_module
+from isotrain.train.weights.load import build_model
 
 
 def _sections() -> list[type]:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from isotrain.train import config as C
-from isotrain.train.cli import parse_train_args
+from isotrain.train.cli.main import parse_train_args
 from isotrain.train.loop import train
-from isotrain.train.snapshot import find_snapshots, load_snapshot
+from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot
 
 ARGS = [
     "--preset",

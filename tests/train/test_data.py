@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from isotrain.train import data as D
+from isotrain.train.data import batches as D
 
 
 def test_byte_tokenizer_round_trips_any_utf8() -> None:

@@ -25,15 +25,8 @@ from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_model
 from isotrain.guard import StepGuard
 from isotrain.train import config as C
-from isotrain.train import data as data_mod
-from isotrain.train.dist_snapshot import (
-    check_layout,
-    load_full_model,
-    load_sharded,
-    rank_rng_state,
-    save_sharded,
-)
-from isotrain.train.model import GPT, GPTConfig
+from isotrain.train.data import batches as data_mod
+from isotrain.train.model.gpt import GPT, GPTConfig
 from isotrain.train.parallel import (
     DistInfo,
     any_rank,
@@ -43,7 +36,14 @@ from isotrain.train.parallel import (
     process_group_scope,
     wrap_model,
 )
-from isotrain.train.snapshot import SnapshotError, load_snapshot
+from isotrain.train.rundir.sharded import (
+    check_layout,
+    load_full_model,
+    load_sharded,
+    rank_rng_state,
+    save_sharded,
+)
+from isotrain.train.rundir.snapshot import SnapshotError, load_snapshot
 
 WORLD = 2
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -299,7 +299,7 @@ def _check_guard(info: DistInfo) -> dict:
 def _check_rng_per_rank(info: DistInfo, out_dir: Path) -> dict:
     """DDP save_run stores every rank's RNG state; resume gives each rank its own back."""
     from isotrain.train.loop import setup
-    from isotrain.train.resume import maybe_resume, save_run
+    from isotrain.train.rundir.resume import maybe_resume, save_run
 
     cfg = _smoke(parallel=C.ParallelConfig(mode="ddp"), out_dir=str(out_dir / "rng"))
     run = setup(cfg)
@@ -354,8 +354,8 @@ def _check_planted_metadata(info: DistInfo, out_dir: Path) -> dict:
     back to the older snapshot, nothing runs, and the run ends where the straight one did."""
     import pickle
 
-    from isotrain.train.integrity import sha256
     from isotrain.train.loop import train
+    from isotrain.train.rundir.integrity import sha256
 
     planted, marker = out_dir / "planted", out_dir / "pwned"
     if info.is_main:
@@ -385,7 +385,7 @@ def _check_lock_agreement(out_dir: Path) -> dict:
 def _check_ddp_compile(info: DistInfo, out_dir: Path) -> dict:
     """The trainer under DDP with checkpointing and per-block compile, no recompiles allowed."""
     from isotrain.train.loop import train
-    from isotrain.train.report import read_metrics
+    from isotrain.train.rundir.metrics import read_metrics
 
     cfg = _smoke(
         parallel=C.ParallelConfig(mode="ddp"),
@@ -486,7 +486,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(world) -> None:
 def test_ddp_snapshot_restores_each_ranks_own_rng(world) -> None:
     for res in world[0]:
         assert res["rng_resumed"] and res["rng_restored"]
-    from isotrain.train.snapshot import load_snapshot
+    from isotrain.train.rundir.snapshot import load_snapshot
 
     payload, _ = load_snapshot(world[1] / "rng")
     a, b = payload["rng_per_rank"]
@@ -495,7 +495,7 @@ def test_ddp_snapshot_restores_each_ranks_own_rng(world) -> None:
 
 @pytest.mark.slow
 def test_fsdp_resume_equals_the_uninterrupted_run(world) -> None:
-    from isotrain.train.report import read_metrics
+    from isotrain.train.rundir.metrics import read_metrics
 
     for res in world[0]:
         assert res["fsdp_steps"] == [6, 6]

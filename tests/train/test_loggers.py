@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from isotrain.train.config import PRESETS, ConfigError, apply_toml
-from isotrain.train.loggers import MetricsWriter, write_config_file
-from isotrain.train.report import read_metrics
+from isotrain.train.report.loggers import MetricsWriter, write_config_file
+from isotrain.train.rundir.metrics import read_metrics
 
 
 def _csv(path: Path) -> list[dict[str, str]]:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from isotrain.train.model import GPT, GPTConfig
+from isotrain.train.model.gpt import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, d_model=32)
 

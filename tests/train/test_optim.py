@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from isotrain.train.config import OptimConfig
-from isotrain.train.model import GPT, GPTConfig
-from isotrain.train.optim import build_optimizer, lr_at
+from isotrain.train.model.gpt import GPT, GPTConfig
+from isotrain.train.update.optim import build_optimizer, lr_at
 
 
 def test_decay_only_on_matrices_and_each_parameter_once() -> None:

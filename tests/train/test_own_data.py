@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from isotrain.train import config as C
-from isotrain.train.cli import main
+from isotrain.train.cli.main import main
+from isotrain.train.data.tokenizer import HFTokenizer, text_chunks
 from isotrain.train.loop import setup, train
-from isotrain.train.report import read_metrics
-from isotrain.train.tokenizer import HFTokenizer, text_chunks
-from isotrain.train.weights import load_model
+from isotrain.train.rundir.metrics import read_metrics
+from isotrain.train.weights.load import load_model
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000"]
 LINES = [f"def f{i}(x):  # é {i}\n    return x * {i} + {i % 7}\n\n" for i in range(900)]

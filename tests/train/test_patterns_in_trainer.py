@@ -11,7 +11,7 @@ from isotrain.autograd import _linear as autograd_linear
 from isotrain.train import config as C
 from isotrain.train import loop
 from isotrain.train.loop import setup, train
-from isotrain.train.report import read_metrics
+from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.step import train_step
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from isotrain.train import prepare as P
-from isotrain.train.cli import main
-from isotrain.train.sources import DataError, TokenData, open_data
-from isotrain.train.tokenizer import ByteTokenizer, HFTokenizer
+from isotrain.train.cli.main import main
+from isotrain.train.data import prepare as P
+from isotrain.train.data.sources import DataError, TokenData, open_data
+from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer
 
 LINES = [f"def f{i}(x):  # é✓ {i}\n    return x * {i}\n\n" for i in range(200)]
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from isotrain.train import commands
-from isotrain.train.cli import main, parse_train_args
-from isotrain.train.cli_args import parse
+from isotrain.train.cli import commands
+from isotrain.train.cli.args import parse
+from isotrain.train.cli.main import main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SECTIONS = ("The trainer",)

@@ -7,7 +7,7 @@ import torch
 
 from isotrain.train import config as C
 from isotrain.train.loop import setup, start, train
-from isotrain.train.snapshot import load_snapshot
+from isotrain.train.rundir.snapshot import load_snapshot
 from isotrain.train.step import train_step
 
 

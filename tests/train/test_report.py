@@ -8,7 +8,7 @@ import re
 import pytest
 from rich.console import Console
 
-from isotrain.train.report import Progress, Reporter
+from isotrain.train.report.progress import Progress, Reporter
 
 TYPICAL = Progress(120, 500, 2.123456, 2e-3, 15234.0, 1, 296.0)
 HUGE = Progress(999_999, 1_000_000, 12.3456, 1.23e-4, 1_234_567.0, 12_345, 123 * 3600.0 + 2767)

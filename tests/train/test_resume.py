@@ -11,9 +11,14 @@ import torch
 
 from isotrain.train import config as C
 from isotrain.train.loop import train
-from isotrain.train.report import read_metrics
-from isotrain.train.resume import stop_on_signals
-from isotrain.train.snapshot import SnapshotError, find_snapshots, load_snapshot, save_snapshot
+from isotrain.train.rundir.metrics import read_metrics
+from isotrain.train.rundir.resume import stop_on_signals
+from isotrain.train.rundir.snapshot import (
+    SnapshotError,
+    find_snapshots,
+    load_snapshot,
+    save_snapshot,
+)
 
 
 def _cfg(out, **kw) -> C.TrainConfig:
@@ -144,7 +149,7 @@ def test_signals_become_a_stop_flag_and_handlers_are_restored(signum) -> None:
 
 def test_safe_changes_on_resume_are_accepted_and_logged(tmp_path, caplog) -> None:
     train(_cfg(tmp_path, steps=3))
-    with caplog.at_level("WARNING", logger="isotrain.train.resume"):
+    with caplog.at_level("WARNING", logger="isotrain.train.rundir.resume"):
         state = train(_cfg(tmp_path, steps=5, log_every=2))
     assert state.step == 5
     assert "changed on resume: --steps: 3 -> 5" in caplog.text
@@ -220,7 +225,7 @@ def test_format_1_snapshots_still_load(tmp_path) -> None:
     snap = tmp_path / "snapshots" / "step_0000003"
     snap.mkdir(parents=True)
     torch.save({"format_version": 1, "x": torch.tensor(3), "sharded": False}, snap / "state.pt")
-    from isotrain.train.integrity import sha256
+    from isotrain.train.rundir.integrity import sha256
 
     meta = {"format_version": 1, "step": 3, "val_loss": None, "sha256": sha256(snap / "state.pt")}
     (snap / "meta.json").write_text(json.dumps(meta))
@@ -237,7 +242,7 @@ def two_steps(tmp_path_factory):
 
 def _rewrite_state(snap, change) -> None:
     """Replace state.pt by `change(payload)`, with a valid checksum (a well-formed lie)."""
-    from isotrain.train.integrity import sha256
+    from isotrain.train.rundir.integrity import sha256
 
     payload = torch.load(snap / "state.pt", weights_only=True)
     torch.save(change(payload), snap / "state.pt")

@@ -8,7 +8,7 @@ import pytest
 
 from isotrain.train import config as C
 from isotrain.train import loop
-from isotrain.train.cli import main
+from isotrain.train.cli.main import main
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 

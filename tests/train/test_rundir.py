@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from isotrain.train.cli import main
-from isotrain.train.report import read_metrics
-from isotrain.train.rundir import LOCK_FILE
-from isotrain.train.snapshot import load_snapshot
+from isotrain.train.cli.main import main
+from isotrain.train.rundir.lock import LOCK_FILE
+from isotrain.train.rundir.metrics import read_metrics
+from isotrain.train.rundir.snapshot import load_snapshot
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 
@@ -94,8 +94,8 @@ def _enospc() -> None:
 
 def _disk_full_at_step_4(monkeypatch, where: str) -> None:
     """Make the write of `where` at step 4 fail as a full disk does (after a partial write)."""
-    import isotrain.train.loggers as loggers
-    import isotrain.train.snapshot as snapshot
+    import isotrain.train.report.loggers as loggers
+    import isotrain.train.rundir.snapshot as snapshot
 
     real_save, real_atomic, real_append = torch.save, snapshot._write_atomic, loggers.append_line
 
@@ -156,7 +156,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes(
 
 
 def test_a_failed_append_leaves_no_half_line(tmp_path, monkeypatch) -> None:
-    import isotrain.train.rundir as rundir
+    import isotrain.train.rundir.writes as rundir
 
     path = tmp_path / "metrics.jsonl"
     rundir.append_line(path, '{"kind": "config"}')

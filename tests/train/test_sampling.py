@@ -4,10 +4,10 @@ and one-line errors for values that cannot work."""
 import pytest
 import torch
 
-from isotrain.train.cli import main
-from isotrain.train.export import export_safetensors
-from isotrain.train.model import GPT, GPTConfig, _filter
-from isotrain.train.sampling import samples
+from isotrain.train.cli.main import main
+from isotrain.train.model.gpt import GPT, GPTConfig, _filter
+from isotrain.train.model.sampling import samples
+from isotrain.train.weights.export import export_safetensors
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
@@ -63,8 +63,8 @@ def test_bad_sampling_values_are_one_line_errors(model_file, capsys, flag, value
 def test_the_end_of_run_prompt_is_whole_lines_of_the_validation_data() -> None:
     import numpy as np
 
-    from isotrain.train.sampling import prompt_from
-    from isotrain.train.tokenizer import ByteTokenizer
+    from isotrain.train.data.tokenizer import ByteTokenizer
+    from isotrain.train.model.sampling import prompt_from
 
     text = "".join(f"line {i}: value = {i * i}\n" for i in range(200))
     val = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from isotrain.guard import SkipReason
-from isotrain.train.cli import main
-from isotrain.train.plots import loss_figure, summarize_run
-from isotrain.train.report import read_metrics
-from isotrain.train.updater import SkipLog
+from isotrain.train.cli.main import main
+from isotrain.train.report.plots import loss_figure, summarize_run
+from isotrain.train.rundir.metrics import read_metrics
+from isotrain.train.update.updater import SkipLog
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 INJECTED = [3, 4, 7, 11]  # fault injection: NaN loss at these steps (numbered from 1)

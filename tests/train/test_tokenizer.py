@@ -5,9 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from isotrain.train import data as D
-from isotrain.train.sources import DataError, TextData
-from isotrain.train.tokenizer import (
+from isotrain.train.data import batches as D
+from isotrain.train.data.sources import DataError, TextData
+from isotrain.train.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IdsTokenizer,

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from isotrain.train import config as C
-from isotrain.train.cli import main
-from isotrain.train.integrity import sha256
+from isotrain.train.cli.main import main
 from isotrain.train.loop import train
-from isotrain.train.safe_dcp import read_metadata
-from isotrain.train.snapshot import load_snapshot
+from isotrain.train.rundir.integrity import sha256
+from isotrain.train.rundir.safe_dcp import read_metadata
+from isotrain.train.rundir.snapshot import load_snapshot
 
 # The planted pickles use protocol 4; torch warns before refusing them, which is the point.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")

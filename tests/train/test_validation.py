@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from isotrain.train.cli import main
+from isotrain.train.cli.main import main
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 HUGE = str(2**70)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from isotrain.checkpointing import parse_policy
 from isotrain.train.environment import check_device, check_directory, check_extra
 from isotrain.train.fields import ConfigError, check_types, flag, flag_value, overlay
-from isotrain.train.model import GPTConfig
+from isotrain.train.model.gpt import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

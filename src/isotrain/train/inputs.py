@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from isotrain.train.config import ConfigError, TrainConfig, flag, validate
-from isotrain.train.data import Corpus, build_corpus
-from isotrain.train.model import GPT
-from isotrain.train.resume import ways_on
-from isotrain.train.snapshot import SnapshotError, find_snapshots
-from isotrain.train.sources import TextData, TokenData, open_data
-from isotrain.train.tokenizer import (
+from isotrain.train.data.batches import Corpus, build_corpus
+from isotrain.train.data.sources import TextData, TokenData, open_data
+from isotrain.train.data.tokenizer import (
     RUN_TOKENIZER,
     ByteTokenizer,
     HFTokenizer,
@@ -31,7 +28,10 @@ from isotrain.train.tokenizer import (
     Tokenizer,
     text_chunks,
 )
-from isotrain.train.weights import load_with_tokenizer
+from isotrain.train.model.gpt import GPT
+from isotrain.train.rundir.resume import ways_on
+from isotrain.train.rundir.snapshot import SnapshotError, find_snapshots
+from isotrain.train.weights.load import load_with_tokenizer
 
 __all__ = [
     "InitSource",

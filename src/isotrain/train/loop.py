@@ -22,12 +22,11 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
-from isotrain.train import data as data_mod
 from isotrain.train.config import ConfigError, TrainConfig, validate
+from isotrain.train.data import batches as data_mod
 from isotrain.train.inputs import load_inputs
-from isotrain.train.loggers import MetricsWriter, write_config_file
-from isotrain.train.model import GPT, Block
-from isotrain.train.optim import build_optimizer
+from isotrain.train.model.gpt import GPT, Block
+from isotrain.train.model.sampling import prompt_from, sample
 from isotrain.train.parallel import (
     DistInfo,
     any_rank,
@@ -36,15 +35,16 @@ from isotrain.train.parallel import (
     wrap_model,
 )
 from isotrain.train.precision import resolve_precision
-from isotrain.train.report import Reporter, where_and_next
-from isotrain.train.resume import maybe_resume, save_run, stop_on_signals
-from isotrain.train.rundir import lock_run
-from isotrain.train.sampling import prompt_from, sample
-from isotrain.train.snapshot import find_snapshots
+from isotrain.train.report.loggers import MetricsWriter, write_config_file
+from isotrain.train.report.progress import Reporter, where_and_next
+from isotrain.train.rundir.lock import lock_run
+from isotrain.train.rundir.resume import maybe_resume, save_run, stop_on_signals
+from isotrain.train.rundir.snapshot import find_snapshots
 from isotrain.train.state import Batches, Run, TrainState, bucket_lengths
 from isotrain.train.step import evaluate, precision_context, train_step
-from isotrain.train.updater import build_updater
-from isotrain.train.weights import build_model
+from isotrain.train.update.optim import build_optimizer
+from isotrain.train.update.updater import build_updater
+from isotrain.train.weights.load import build_model
 
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 

@@ -24,7 +24,7 @@ import torch
 from isotrain.autograd import native_bf16_matmul
 from isotrain.contexts import autocast_if_available, rng_isolated
 from isotrain.train.config import TrainConfig
-from isotrain.train.model import GPT
+from isotrain.train.model.gpt import GPT
 from isotrain.train.parallel import DistInfo, from_main
 
 __all__ = [

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from isotrain.compile import default_buckets
-from isotrain.train import data as data_mod
 from isotrain.train.config import TrainConfig
-from isotrain.train.model import GPT
+from isotrain.train.data import batches as data_mod
+from isotrain.train.data.tokenizer import ByteTokenizer, Tokenizer
+from isotrain.train.model.gpt import GPT
 from isotrain.train.parallel import DistInfo
-from isotrain.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Batches", "Run", "TrainState", "Updater", "bucket_lengths"]
 

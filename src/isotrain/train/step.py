@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
-from isotrain.train.optim import lr_at, set_lr
 from isotrain.train.parallel import all_reduce_mean, no_grad_sync
 from isotrain.train.state import Run
+from isotrain.train.update.optim import lr_at, set_lr
 
 __all__ = ["evaluate", "forward", "precision_context", "train_step"]
 

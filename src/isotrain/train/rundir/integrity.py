@@ -20,7 +20,7 @@ import torch
 
 from isotrain.train.config import ModelConfig
 from isotrain.train.fields import check_value, hints
-from isotrain.train.model import GPT
+from isotrain.train.model.gpt import GPT
 
 __all__ = [
     "SnapshotError",

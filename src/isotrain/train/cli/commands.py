@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from isotrain.train.cli_args import RunArgs, check_output, parse, run_of
+from isotrain.train.cli.args import RunArgs, check_output, parse, run_of
 from isotrain.train.config import ConfigError
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample"]
@@ -42,7 +42,7 @@ class SampleArgs(RunArgs):
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.sampling import check_sampling, samples
+    from isotrain.train.model.sampling import check_sampling, samples
 
     a = parse(SampleArgs, argv, "isotrain sample")
     run = run_of(a, "isotrain sample")
@@ -82,7 +82,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
 
 def _load(source: str, which: str) -> Any:
     """Model and tokenizer to sample from; an unreadable export file is a user error."""
-    from isotrain.train.weights import load_with_tokenizer
+    from isotrain.train.weights.load import load_with_tokenizer
 
     if not source.endswith(".safetensors"):
         return load_with_tokenizer(source, which=which)
@@ -108,7 +108,7 @@ class PlotArgs(RunArgs):
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
-    from isotrain.train.plots import plot_run
+    from isotrain.train.report.plots import plot_run
 
     args = parse(PlotArgs, argv, "isotrain plot")
     run = run_of(args, "isotrain plot")
@@ -127,7 +127,7 @@ def cmd_report(argv: Sequence[str]) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from isotrain.train.plots import summarize_run
+    from isotrain.train.report.plots import summarize_run
 
     run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
     table = Table(title=f"isotrain report: {run}", show_header=False)
@@ -152,7 +152,7 @@ class ExportArgs(RunArgs):
 
 
 def cmd_export(argv: Sequence[str]) -> int:
-    from isotrain.train.export import export_run
+    from isotrain.train.weights.export import export_run
 
     a = parse(ExportArgs, argv, "isotrain export")
     run = run_of(a, "isotrain export")
@@ -191,7 +191,7 @@ class PrepareArgs:
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
-    from isotrain.train.prepare import prepare
+    from isotrain.train.data.prepare import prepare
 
     a = parse(PrepareArgs, argv, "isotrain prepare")
     meta = prepare(

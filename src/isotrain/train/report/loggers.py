@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from isotrain.train.fields import ConfigError, to_toml
-from isotrain.train.report import METRICS_FILE
-from isotrain.train.rundir import append_line, writing
+from isotrain.train.rundir.metrics import METRICS_FILE
+from isotrain.train.rundir.writes import append_line, writing
 
 __all__ = ["Logger", "MetricsWriter", "write_config_file"]
 

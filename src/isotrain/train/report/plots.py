@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from isotrain.train.report import read_metrics
+from isotrain.train.rundir.metrics import read_metrics
 
 __all__ = ["loss_figure", "plot_run", "skips", "summarize_run"]
 

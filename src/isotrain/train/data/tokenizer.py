@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from isotrain.train.sources import DataError
+from isotrain.train.data.sources import DataError
 
 __all__ = [
     "RUN_TOKENIZER",

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.train.config import ConfigError
-from isotrain.train.integrity import SnapshotError, one_line
-from isotrain.train.rundir import write_error, writing
-from isotrain.train.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
+from isotrain.train.rundir.integrity import SnapshotError, one_line
+from isotrain.train.rundir.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
+from isotrain.train.rundir.writes import write_error, writing
 
 __all__ = [
     "SHARDS",
@@ -152,7 +152,7 @@ def _load_dcp(path: str | Path, state: dict[str, Any], *, no_dist: bool = False)
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import load
 
-    from isotrain.train.safe_dcp import SafeLoadPlanner, SafeReader
+    from isotrain.train.rundir.safe_dcp import SafeLoadPlanner, SafeReader
 
     shards, metadata = open_shards(path)
     reader = SafeReader(shards, metadata)

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from isotrain.train.integrity import SnapshotError, one_line
+from isotrain.train.rundir.integrity import SnapshotError, one_line
 
 __all__ = ["SafeLoadPlanner", "SafeReader", "read_metadata"]
 

@@ -13,17 +13,17 @@ import logging
 import os
 from pathlib import Path
 
-from isotrain.train.hf import gpt2_config, to_gpt2_state
-from isotrain.train.model import GPT
-from isotrain.train.snapshot import load_snapshot
-from isotrain.train.tokenizer import (
+from isotrain.train.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
     byte_level_json,
     run_tokenizer,
 )
-from isotrain.train.weights import model_from_snapshot, safetensors_module
+from isotrain.train.model.gpt import GPT
+from isotrain.train.model.hf import gpt2_config, to_gpt2_state
+from isotrain.train.rundir.snapshot import load_snapshot
+from isotrain.train.weights.load import model_from_snapshot, safetensors_module
 
 __all__ = ["export_hf", "export_run", "export_safetensors", "tokenizer_metadata"]
 

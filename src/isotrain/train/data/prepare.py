@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from isotrain.train.data import token_dtype
-from isotrain.train.sources import META_FILE, DataError, find_files, is_val_file
-from isotrain.train.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from isotrain.train.data.batches import token_dtype
+from isotrain.train.data.sources import META_FILE, DataError, find_files, is_val_file
+from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 __all__ = ["Part", "plan_parts", "prepare"]
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from isotrain.train.integrity import (
+from isotrain.train.rundir.integrity import (
     SNAPSHOT_NAME,
     SnapshotError,
     check_payload,
@@ -38,7 +38,7 @@ from isotrain.train.integrity import (
     sha256,
     verify_files,
 )
-from isotrain.train.rundir import writing
+from isotrain.train.rundir.writes import writing
 
 __all__ = [
     "FORMAT_VERSION",
@@ -210,7 +210,7 @@ def find_snapshots(run_dir: str | Path) -> list[Path]:
 def open_shards(snap: str | Path) -> tuple[Path, Any]:
     """The shard directory of FSDP snapshot `snap` and its DCP metadata, once every shard file
     matches the manifest and the metadata has been read safely (no code runs)."""
-    from isotrain.train.safe_dcp import METADATA, read_metadata
+    from isotrain.train.rundir.safe_dcp import METADATA, read_metadata
 
     snap = Path(snap)
     files = manifest(read_meta(snap), snap)

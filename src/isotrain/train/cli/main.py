@@ -12,12 +12,12 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from isotrain.train.cli_args import parse
-from isotrain.train.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
+from isotrain.train.cli.args import parse
+from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
-from isotrain.train.data import DataError
-from isotrain.train.rundir import WriteError
-from isotrain.train.snapshot import SnapshotError
+from isotrain.train.data.batches import DataError
+from isotrain.train.rundir.snapshot import SnapshotError
+from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["main", "parse_train_args"]
 
@@ -88,7 +88,7 @@ TRAIN_DESCRIPTION = (
 
 def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
     """`--help` (short), `--help SECTION`, `--help-all` (tyro's full page); then exit 0."""
-    from isotrain.train.helptext import SECTIONS, section_help, short_help
+    from isotrain.train.cli.helptext import SECTIONS, section_help, short_help
 
     if "--help-all" in argv:
         parse(TrainConfig, ["--help"], "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)

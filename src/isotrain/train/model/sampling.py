@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from isotrain.contexts import eval_mode
-from isotrain.train.config import ConfigError
-from isotrain.train.model import GPT
-from isotrain.train.tokenizer import ByteTokenizer, Tokenizer
+from isotrain.train.data.tokenizer import ByteTokenizer, Tokenizer
+from isotrain.train.fields import ConfigError
+from isotrain.train.model.gpt import GPT
 
 __all__ = ["check_sampling", "prompt_from", "sample", "samples"]
 

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from isotrain.compile import pad_to_bucket
-from isotrain.train.sources import DataError, TextData, TokenData, open_data
-from isotrain.train.tokenizer import ByteTokenizer, IdsTokenizer, Tokenizer, text_chunks
+from isotrain.train.data.sources import DataError, TextData, TokenData, open_data
+from isotrain.train.data.tokenizer import ByteTokenizer, IdsTokenizer, Tokenizer, text_chunks
 
 __all__ = [
     "ByteTokenizer",

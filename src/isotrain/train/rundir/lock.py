@@ -1,5 +1,4 @@
-"""The run directory as a shared resource: one writer at a time, and write errors that say
-what was being written and what is still safe.
+"""The run directory as a shared resource: one writer at a time.
 
     RUN/.lock    PID of the process training into RUN (an advisory flock held while it runs)
 
@@ -11,7 +10,6 @@ only rank 0 locks; the ranks agree on the outcome so that none trains alone.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import logging
 import os
@@ -19,84 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from isotrain.train.config import ConfigError
-from isotrain.train.integrity import read_pointer
 from isotrain.train.parallel import DistInfo, any_rank
+from isotrain.train.rundir.writes import WriteError, writing
 
-__all__ = [
-    "LOCK_FILE",
-    "RunLockedError",
-    "WriteError",
-    "append_line",
-    "lock_run",
-    "write_error",
-    "writing",
-]
+__all__ = ["LOCK_FILE", "RunLockedError", "lock_run"]
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
-# torch.save reports a failed write as a RuntimeError from its zip writer, without an errno.
-_TORCH_WRITE_ERRORS = ("inline_container", "PytorchStreamWriter", "file write failed")
 
 
 class RunLockedError(ConfigError):
     """Another live process holds the run directory."""
-
-
-class WriteError(RuntimeError):
-    """A write into the run directory failed (disk full, permissions, I/O); nothing that was
-    complete before is lost."""
-
-
-def _safe_note(run_dir: Path) -> str:
-    latest = read_pointer(run_dir / "snapshots" / "LATEST")
-    if latest is None:
-        return "no snapshot had been written yet"
-    return f"the last good snapshot ({latest}) is safe"
-
-
-@contextlib.contextmanager
-def writing(what: str | Path, run_dir: str | Path) -> Iterator[None]:
-    """Turn an OSError (or torch's failed-write RuntimeError) in the block into a WriteError
-    naming `what`, the reason, and the snapshot a rerun resumes from."""
-    try:
-        yield
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise write_error(what, reason, run_dir, e.errno) from e
-    except RuntimeError as e:
-        if isinstance(e, WriteError) or not any(m in str(e) for m in _TORCH_WRITE_ERRORS):
-            raise
-        raise write_error(what, "the write failed (disk full?)", run_dir) from e
-
-
-def write_error(
-    what: str | Path, reason: str, run_dir: str | Path, code: int | None = None
-) -> WriteError:
-    """`could not write WHAT: REASON; the last good snapshot (...) is safe. Try ...`"""
-    fix = "free some space" if code in (None, errno.ENOSPC, errno.EDQUOT) else "fix that"
-    return WriteError(
-        f"could not write {what}: {reason}; {_safe_note(Path(run_dir))}. Try to {fix}, then "
-        "run the same command again to resume"
-    )
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append `line` and a newline in whole: a failed write is cut back off the file, so a
-    full disk never leaves half a record. Never follows a link."""
-    data = memoryview((line + "\n").encode("utf-8"))
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        start = os.fstat(fd).st_size
-        try:
-            while data:
-                data = data[os.write(fd, data) :]
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, start)
-            raise
-    finally:
-        os.close(fd)
 
 
 def _holder(fd: int) -> int | None:

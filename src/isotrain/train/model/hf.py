@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from isotrain.train.model import GPT, GPTConfig
-from isotrain.train.sources import DataError
-from isotrain.train.tokenizer import HFTokenizer, Tokenizer, tokenizers_module
+from isotrain.train.data.sources import DataError
+from isotrain.train.data.tokenizer import HFTokenizer, Tokenizer, tokenizers_module
+from isotrain.train.model.gpt import GPT, GPTConfig
 
 __all__ = ["from_gpt2_state", "gpt2_config", "read_hf_folder", "to_gpt2_state"]
 

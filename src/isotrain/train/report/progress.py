@@ -1,69 +1,34 @@
-"""What a run shows: the header, progress on a terminal or as log lines, the end; and the
-metrics file read back (`read_metrics`). Writing records is `loggers.py`'s job.
+"""What a run shows: the header, progress on a terminal or as log lines, the end.
+
+Writing records is `loggers`' job; reading the metrics file back is `rundir.metrics`'.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from isotrain.train.integrity import read_pointer
+from isotrain.train.rundir.integrity import read_pointer
+from isotrain.train.rundir.metrics import METRICS_FILE
 
 __all__ = [
     "Progress",
     "Reporter",
     "invoked_as",
-    "metric_lines",
-    "read_metrics",
     "where_and_next",
 ]
 
-METRICS_FILE = "metrics.jsonl"
-
 log = logging.getLogger(__name__)
-
-
-def metric_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], int]:
-    """(line, record) for each readable record of a metrics file, and the number of lines
-    that are not one (a write cut short by a crash or a full disk)."""
-    good, bad = [], 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if isinstance(record, dict) and isinstance(record.get("kind"), str):
-            good.append((line, record))
-        else:
-            bad += 1
-    return good, bad
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All readable records of a run's metrics file, in order (unreadable lines: one warning)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path}: no metrics file; try the --out-dir of an isotrain train run"
-        )
-    lines, bad = metric_lines(path)
-    if bad:
-        log.warning("%s: skipped %d unreadable line(s), cut short by a crash?", path, bad)
-    return [record for _, record in lines]
 
 
 def _duration(seconds: float | None) -> str:

@@ -18,7 +18,10 @@ from typing import Any
 
 from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
-from isotrain.train.dist_snapshot import (
+from isotrain.train.fields import flag_value, hints, matches
+from isotrain.train.rundir.integrity import SnapshotError, check_payload, one_line
+from isotrain.train.rundir.metrics import METRICS_FILE, metric_lines
+from isotrain.train.rundir.sharded import (
     barrier,
     check_layout,
     gather_to_main,
@@ -26,11 +29,8 @@ from isotrain.train.dist_snapshot import (
     rank_rng_state,
     save_sharded,
 )
-from isotrain.train.fields import flag_value, hints, matches
-from isotrain.train.integrity import SnapshotError, check_payload, one_line
-from isotrain.train.report import METRICS_FILE, metric_lines
-from isotrain.train.rundir import writing
-from isotrain.train.snapshot import find_snapshots, load_snapshot, save_snapshot
+from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot, save_snapshot
+from isotrain.train.rundir.writes import writing
 from isotrain.train.state import Run, TrainState
 
 __all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]

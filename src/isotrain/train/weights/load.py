@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from isotrain.train.config import ModelConfig
-from isotrain.train.dist_snapshot import load_full_model
-from isotrain.train.hf import read_hf_folder
-from isotrain.train.model import GPT
-from isotrain.train.snapshot import load_snapshot
-from isotrain.train.tokenizer import Tokenizer, from_metadata, run_tokenizer
+from isotrain.train.data.tokenizer import Tokenizer, from_metadata, run_tokenizer
+from isotrain.train.model.gpt import GPT
+from isotrain.train.model.hf import read_hf_folder
+from isotrain.train.rundir.sharded import load_full_model
+from isotrain.train.rundir.snapshot import load_snapshot
 
 __all__ = [
     "build_model",

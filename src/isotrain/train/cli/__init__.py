@@ -1,0 +1,5 @@
+"""The `isotrain` command: argument parsing (`args`), the commands other than `train`
+(`commands`), `train --help` (`helptext`) and the entry point (`main`).
+
+Parsing and wiring only: the top of the import graph, which nothing else imports.
+"""
