@@ -1,7 +1,8 @@
 """Activation checkpointing by policy, with the trade-off measured in bytes and FLOPs.
 
-``apply_activation_checkpointing`` wraps chosen blocks in place (keys unchanged, reversible);
-``measure_activation_memory`` counts saved bytes per block and the FLOPs recomputation adds.
+``apply_activation_checkpointing`` wraps chosen blocks in place (keys unchanged, reversible),
+``checkpointed_blocks`` names them; ``measure_activation_memory`` counts saved bytes per block
+and the FLOPs recomputation adds.
 This ``__init__`` is the package's whole public API; the ``_``-modules behind it are private.
 """
 
@@ -10,6 +11,7 @@ from isotrain.checkpointing._policy import (
     ACPolicy,
     CheckpointedTransformerBlock,
     apply_activation_checkpointing,
+    checkpointed_blocks,
     parse_policy,
     remove_activation_checkpointing,
 )
@@ -21,6 +23,7 @@ __all__ = [
     "CheckpointedTransformerBlock",
     "MemoryReport",
     "apply_activation_checkpointing",
+    "checkpointed_blocks",
     "measure_activation_memory",
     "parse_policy",
     "remove_activation_checkpointing",

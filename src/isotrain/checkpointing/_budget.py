@@ -21,15 +21,21 @@ Kwargs = dict[str, Any]
 # NOTE [budget profile]: a budget matters when the unwrapped model does not fit, so planning
 # never builds the unwrapped graph: one forward with every block checkpointed gives the bytes
 # outside the blocks and each block's inputs (what checkpointing it keeps); each block then
-# runs alone on its captured input for its unwrapped bytes and FLOPs. Peak: full + one block.
+# runs alone on its captured inputs for its unwrapped bytes and FLOPs. Peak: full + one block.
+# Each block's pre-hook records its own calls, so a model that calls its blocks in another
+# order than it registers them (a U-Net's middle block) still pairs every block with its
+# inputs; a block called twice is profiled on both calls. The caller turns `use_cache` off
+# before this runs (NOTE [caches in recompute]): blocks are profiled as training runs them.
 def _profile_blocks(
     model: nn.Module, blocks: list[tuple[str, nn.Module]], inputs: Args, kwargs: Kwargs
 ) -> tuple[int, list[int], list[int], list[int]]:
     """(bytes outside blocks, per-block unwrapped bytes, checkpointed bytes, forward FLOPs)."""
-    captured: list[tuple[Args, Kwargs]] = []
+    captured: dict[int, list[tuple[Args, Kwargs]]] = {id(m): [] for _, m in blocks}
 
     def capture(mod: nn.Module, args: Args, kwargs: Kwargs) -> None:
-        captured.append((args, kwargs))
+        if "use_cache" in kwargs:  # as the checkpointed forward will call it
+            kwargs = {**kwargs, "use_cache": False}
+        captured[id(mod)].append((args, kwargs))
 
     handles = [m.register_forward_pre_hook(capture, with_kwargs=True) for _, m in blocks]
     for _, mod in blocks:
@@ -41,10 +47,14 @@ def _profile_blocks(
             unwrap(mod)
             h.remove()
     plain, flops = [], []
-    for (name, mod), (args, kwargs) in zip(blocks, captured, strict=True):
-        saved, fl = _saved_bytes(mod, [(name, mod)], args, kwargs)
-        plain.append(sum(saved.values()))
-        flops.append(fl.get(name, 0))
+    for name, mod in blocks:
+        saved_total = flop_total = 0
+        for args, kw in captured[id(mod)]:
+            saved, fl = _saved_bytes(mod, [(name, mod)], args, kw)
+            saved_total += sum(saved.values())
+            flop_total += fl.get(name, 0)
+        plain.append(saved_total)
+        flops.append(flop_total)
     return ckpt.get("", 0), plain, [ckpt.get(n, 0) for n, _ in blocks], flops
 
 

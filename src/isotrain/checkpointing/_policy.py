@@ -21,12 +21,13 @@ from isotrain._shared import BlockSpec, find_blocks
 from isotrain.checkpointing._budget import plan_budget
 from isotrain.checkpointing._selective import SELECTIVE
 from isotrain.checkpointing._state import _State
-from isotrain.checkpointing._wrap import disable_caches, unwrap, wrap
+from isotrain.checkpointing._wrap import disable_caches, is_checkpointed, unwrap, wrap
 
 __all__ = [
     "ACPolicy",
     "CheckpointedTransformerBlock",
     "apply_activation_checkpointing",
+    "checkpointed_blocks",
     "parse_policy",
     "remove_activation_checkpointing",
 ]
@@ -176,6 +177,17 @@ def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
+def checkpointed_blocks(model: nn.Module) -> list[str]:
+    """Names of the modules of `model` that run under activation checkpointing, in model order
+    (what `apply_activation_checkpointing` wrapped, plus checkpointing blocks of the seed's).
+
+    Example:
+        >>> apply_activation_checkpointing(model, policy="every:2")
+        >>> checkpointed_blocks(model)  # ['blocks.0', 'blocks.2']
+    """
+    return [name for name, mod in model.named_modules() if is_checkpointed(mod)]
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     *,
@@ -213,7 +225,12 @@ def apply_activation_checkpointing(
             )
         args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
         spec = (pol.budget_bytes, pol.budget_fraction)
-        chosen = plan_budget(model, blocks, spec, tuple(args or ()), dict(example_kwargs or {}))
+        disable_caches(model, [name for name, _ in blocks])  # plan as training runs
+        try:
+            chosen = plan_budget(model, blocks, spec, tuple(args or ()), dict(example_kwargs or {}))
+        except BaseException:
+            remove_activation_checkpointing(model)
+            raise
     elif pol.kind == "every":
         chosen = [m for i, (_, m) in enumerate(blocks) if i % pol.every == 0]
     else:

@@ -159,12 +159,14 @@ def _use_cache_slot(module: nn.Module) -> tuple[int, Any] | None:
 
 
 def disable_caches(model: nn.Module, block_names: list[str]) -> None:
-    """`_NoCache` on the root and each ancestor of a checkpointed block that takes use_cache."""
+    """`_NoCache` on exactly the root and the ancestors of `block_names` that take use_cache
+    (kept where already installed, so each warns once; removed from every other module)."""
     names = {""} | {b.rsplit(".", i)[0] for b in block_names for i in range(1, b.count(".") + 1)}
-    for name in sorted(names):
-        module = model.get_submodule(name)
-        slot = _use_cache_slot(module)
-        if slot is not None and find_forward(module, _NoCache) is None:
+    names = names if block_names else set()
+    for name, module in model.named_modules():
+        if name not in names:
+            remove_forward(module, _NoCache)
+        elif find_forward(module, _NoCache) is None and (slot := _use_cache_slot(module)):
             install_forward(module, _NoCache, *slot)
 
 

@@ -38,7 +38,13 @@ from isotrain._torch_private import (
 )
 from isotrain.compile._stats import eager_reason, note_call, note_eager
 
-__all__ = ["CompileAvailability", "compile_available", "compile_model", "compiled_blocks"]
+__all__ = [
+    "CompileAvailability",
+    "compile_available",
+    "compile_model",
+    "compiled_blocks",
+    "compiled_modules",
+]
 
 
 @dataclass(frozen=True)
@@ -245,9 +251,18 @@ def _eager_probe_impl(wrapper: _Compiled) -> None:
 _eager_probe: Callable[[_Compiled], None] = torch.compiler.disable(_eager_probe_impl)
 
 
-def compiled_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def compiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """`(name, module)` of every module compile_model compiled inside `model`."""
     return [(n, m) for n, m in model.named_modules() if find_forward(m, _Compiled) is not None]
+
+
+def compiled_blocks(model: nn.Module) -> list[str]:
+    """Names of the modules of `model` that `compile_model` compiled, in model order ("" is
+    the model itself, with `regional=False`); empty when it compiled nothing (no backend).
+
+    Example: ``compile_model(model, backend="eager"); compiled_blocks(model)  # ['blocks.0', ...]``
+    """
+    return [name for name, _ in compiled_modules(model)]
 
 
 def _model_device(model: nn.Module) -> torch.device:

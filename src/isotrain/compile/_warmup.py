@@ -22,7 +22,7 @@ from isotrain._shared import (
     training_flags,
 )
 from isotrain._torch_private import recompile_limit_at_least, tree_leaves
-from isotrain.compile._regional import compiled_blocks
+from isotrain.compile._regional import compiled_modules
 from isotrain.compile._stats import CompileStats, eager_counts, eager_reason, track_compiles
 
 __all__ = ["warmup"]
@@ -62,7 +62,7 @@ def _limit_needed(module: nn.Module | None, n_shapes: int) -> int:
     specialised per layer, a ResNet stage changes channels), and dynamo keeps one recompile
     limit per code object: one per block class (NOTE [eager block calls])."""
     per_class: dict[type, int] = {}
-    for _, block in compiled_blocks(module) if module is not None else ():
+    for _, block in compiled_modules(module) if module is not None else ():
         per_class[type(block)] = per_class.get(type(block), 0) + 1
     return max(per_class.values(), default=1) * n_shapes + 1
 
@@ -72,7 +72,7 @@ def _report(module: nn.Module | None, before: dict[int, int], stats: CompileStat
     if not stats.eager_block_calls:
         return
     after = eager_counts()
-    named = [] if module is None else compiled_blocks(module)
+    named = [] if module is None else compiled_modules(module)
     eager = [(n, m) for n, m in named if after.get(id(m), 0) > before.get(id(m), 0)]
     names = ", ".join(n or "<root>" for n, _ in eager[:8]) + (" ..." if len(eager) > 8 else "")
     first = eager[0][1] if eager else None
