@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 __all__ = [
+    "backend_compiler",
     "compile_metrics",
     "compiled_call",
     "compiler_stance",
     "conv_forward",
+    "dynamo_allows_rnn",
     "dynamo_backends",
     "dynamo_supported",
     "eager_call",
@@ -168,6 +170,21 @@ def recompile_limit_at_least(n: int) -> contextlib.AbstractContextManager[Any]:
         recompile_limit=max(cfg.recompile_limit, n),
         accumulated_recompile_limit=max(cfg.accumulated_recompile_limit, n),
     )
+
+
+def backend_compiler(
+    backend: str | Callable[..., Any], mode: str | None, dynamic: bool | None
+) -> Callable[..., Any]:
+    """The `(gm, example_inputs) -> callable` compiler torch.compile builds from its
+    `backend` and `mode` (inductor's mode-aware wrapper, or the registered backend)."""
+    if backend == "inductor":
+        return torch._TorchCompileInductorWrapper(mode, None, dynamic)
+    return torch._TorchCompileWrapper(backend, mode, None, dynamic)
+
+
+def dynamo_allows_rnn() -> bool:
+    """`torch._dynamo.config.allow_rnn`: whether dynamo traces nn.RNN/GRU/LSTM (off by default)."""
+    return bool(torch._dynamo.config.allow_rnn)
 
 
 def recompile_limit() -> int:

@@ -28,6 +28,7 @@ from isotrain._shared import BlockSpec, ForwardWrapper, find_blocks, find_forwar
 from isotrain._torch_private import (
     compiled_call,
     compiler_stance,
+    dynamo_allows_rnn,
     dynamo_backends,
     dynamo_supported,
     eager_call,
@@ -36,7 +37,8 @@ from isotrain._torch_private import (
     is_recompile_error,
     set_compiled_call,
 )
-from isotrain.compile._stats import eager_reason, note_call, note_eager
+from isotrain.compile._coverage import CountingBackend, note_coverage, rnn_layers
+from isotrain.compile._stats import call_counts, eager_reason, note_call, note_eager
 
 __all__ = [
     "CompileAvailability",
@@ -122,6 +124,15 @@ class _FallbackGroup:
         self.backend, self.failed, self.retrying = backend, False, False
         self.warned_eager = False  # an eager block call of this group was reported
         self.modules: list[nn.Module] = []
+        self.compiler: CountingBackend | None = None  # shared: blocks share their graphs
+        self.most: dict[tuple[type[nn.Module], bool], int] = {}  # NOTE [graphs that ran]
+
+    def counting(self, options: dict[str, Any]) -> CountingBackend:
+        """The group's backend, counting graph runs (NOTE [graphs that ran])."""
+        if self.compiler is None:
+            mode = options.get("mode")
+            self.compiler = CountingBackend(options["backend"], mode, options["dynamic"])
+        return self.compiler
 
     def disable(self, err: BaseException) -> None:
         for m in self.modules:
@@ -150,10 +161,15 @@ class _GuardedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         note_call()
+        before = call_counts()
         if not self.fallback:
-            return self.compiled(*args, **kwargs)
+            out = self.compiled(*args, **kwargs)
+            note_coverage(self.module, before, self.group)
+            return out
         try:
-            return self.compiled(*args, **kwargs)
+            out = self.compiled(*args, **kwargs)
+            note_coverage(self.module, before, self.group)
+            return out
         except Exception as err:
             if not is_dynamo_error(err) or is_recompile_error(err):
                 raise
@@ -321,16 +337,37 @@ def compile_model(
     options: dict[str, Any] = {"backend": backend, "fullgraph": fullgraph, "dynamic": dynamic}
     if mode is not None:
         options["mode"] = mode
+    _warn_rnn(targets)
     for m in targets:
         _compile(m, options, group, fallback)
     return model
+
+
+def _warn_rnn(targets: list[nn.Module]) -> None:
+    """Say up front that recurrent layers stay eager while dynamo's allow_rnn is off."""
+    rnn = [(m, n) for m in targets for n in rnn_layers(m)]
+    if rnn and not dynamo_allows_rnn():
+        m, n = rnn[0]
+        layer = type(m.get_submodule(n)).__name__
+        warnings.warn(
+            f"compile_model: {len(rnn)} recurrent layer(s) ({layer} in a {type(m).__name__} "
+            "block, ...) are not compiled: dynamo does not trace nn.RNN/GRU/LSTM while "
+            "torch._dynamo.config.allow_rnn is off, so each runs eagerly with a graph break, "
+            "and a block that is only that layer runs no compiled graph at all. To trace them, "
+            "compile and warm up inside torch._dynamo.config.patch(allow_rnn=True)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _compile(
     module: nn.Module, options: dict[str, Any], group: _FallbackGroup, fallback: bool
 ) -> None:
     """module.compile(**options), behind the counting call and the probing forward."""
-    module.compile(**options)
+    backend = group.counting(options)  # carries the mode (NOTE [graphs that ran])
+    module.compile(
+        **{k: v for k, v in options.items() if k not in ("mode", "backend")}, backend=backend
+    )
     compiled = compiled_call(module)
     assert compiled is not None  # module.compile() just installed it
     set_compiled_call(module, _GuardedCall(module, compiled, group, fallback))

@@ -2,8 +2,9 @@
 
 Dynamo falls back to eager in silence when a frame hits its recompile limit: later calls that
 miss every cached graph just run the Python code. Compiled blocks therefore count their calls
-(`note_call`) and their eager runs (`note_eager`, called only from Python that compiled code
-never executes), so `CompileStats` can say how many block calls really ran compiled and
+(`note_call`), their eager runs (`note_eager`, called only from Python that compiled code
+never executes) and the compiled graphs that ran (`note_graph`, NOTE [graphs that ran] in
+`_regional`), so `CompileStats` can say how many block calls really ran compiled and
 `no_recompiles()` can refuse an eager one: NOTE [eager block calls] in `_regional`.
 """
 
@@ -25,12 +26,15 @@ from isotrain._torch_private import compile_metrics, recompile_limit
 
 __all__ = [
     "CompileStats",
+    "call_counts",
     "compile_counters",
     "eager_counts",
     "eager_reason",
+    "last_reason",
     "no_recompiles",
     "note_call",
     "note_eager",
+    "note_graph",
     "track_compiles",
 ]
 
@@ -55,8 +59,9 @@ class CompileStats:
     wall_seconds: float = 0.0
     recompile_reasons: list[str] = field(default_factory=list)
     block_calls: int = 0  # calls of blocks compiled by compile_model ...
-    eager_block_calls: int = 0  # ... of which ran eagerly (recompile limit, failure, a copy)
+    eager_block_calls: int = 0  # ... of which ran eagerly, or partly (no graph, a nested frame)
     eager_blocks: list[str] = field(default_factory=list)  # "Type xN" for those that did
+    graph_calls: int = 0  # compiled forward graphs that ran (a block may run several)
 
     @property
     def compiled(self) -> bool:
@@ -70,14 +75,25 @@ class CompileStats:
 
 
 # Process-wide tallies of compiled-block calls (plain ints and a weak per-module count).
-_CALLS = {"calls": 0, "eager": 0}
+_CALLS = {"calls": 0, "eager": 0, "graphs": 0}
 _EAGER: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+_WHY: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()  # last reason
 _STRICT = [0]  # > 0 inside no_recompiles(): an eager block call raises
 
 
 def note_call() -> None:
     """A compiled block was called (counted outside the compiled code)."""
     _CALLS["calls"] += 1
+
+
+def note_graph() -> None:
+    """A graph compile_model's backend compiled ran (counted by the graph's own wrapper)."""
+    _CALLS["graphs"] += 1
+
+
+def call_counts() -> tuple[int, int]:
+    """(compiled graphs run, eager block calls) so far: a block call compares them around it."""
+    return _CALLS["graphs"], _CALLS["eager"]
 
 
 def note_eager(module: nn.Module, why: str | None, *, warn: bool = True) -> None:
@@ -89,6 +105,7 @@ def note_eager(module: nn.Module, why: str | None, *, warn: bool = True) -> None
     _EAGER[module] = _EAGER.get(module, 0) + 1
     if why is None:
         return
+    _WHY[module] = why
     if _STRICT[0]:
         raise RuntimeError(f"no_recompiles(): {why}")
     if warn:
@@ -141,7 +158,7 @@ def _fill(stats: CompileStats, a: dict[str, Any] | None, b: dict[str, Any]) -> C
     times = compile_metrics()[1]
     a = a or {k: 0 for k in ("ok", "failed", "breaks", "limit", "wall")} | {
         "times": [0, 0],
-        "calls": {"calls": 0, "eager": 0},
+        "calls": {"calls": 0, "eager": 0, "graphs": 0},
         "eager": {},
     }
     seen = {id(m) for m in a.get("metrics", ())}
@@ -161,11 +178,17 @@ def _fill(stats: CompileStats, a: dict[str, Any] | None, b: dict[str, Any]) -> C
     stats.wall_seconds = b["wall"] - a["wall"] if a["wall"] else 0.0
     stats.block_calls = b["calls"]["calls"] - a["calls"]["calls"]
     stats.eager_block_calls = b["calls"]["eager"] - a["calls"]["eager"]
+    stats.graph_calls = b["calls"]["graphs"] - a["calls"]["graphs"]
     per_type: dict[str, int] = {}
     for key, (name, n) in b["eager"].items():
         per_type[name] = per_type.get(name, 0) + n - a["eager"].get(key, (name, 0))[1]
     stats.eager_blocks = [f"{name} x{n}" for name, n in per_type.items() if n > 0]
     return stats
+
+
+def last_reason(module: nn.Module) -> str | None:
+    """The last reason given for an eager call of `module`, if one was."""
+    return _WHY.get(module)
 
 
 def eager_counts() -> dict[int, int]:

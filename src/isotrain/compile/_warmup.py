@@ -23,7 +23,13 @@ from isotrain._shared import (
 )
 from isotrain._torch_private import recompile_limit_at_least, tree_leaves
 from isotrain.compile._regional import compiled_modules
-from isotrain.compile._stats import CompileStats, eager_counts, eager_reason, track_compiles
+from isotrain.compile._stats import (
+    CompileStats,
+    eager_counts,
+    eager_reason,
+    last_reason,
+    track_compiles,
+)
 
 __all__ = ["warmup"]
 
@@ -56,19 +62,22 @@ def _eval_no_grad(model: Any) -> Iterator[None]:
 
 
 def _limit_needed(module: nn.Module | None, n_shapes: int) -> int:
-    """Graphs the warm-up may need per block class: blocks of that class x shapes x modes.
+    """Graphs the warm-up may need per code object: compiled blocks x shapes x modes.
 
     Each block may need a graph of its own (an int attribute or a cache's structure is
-    specialised per layer, a ResNet stage changes channels), and dynamo keeps one recompile
-    limit per code object: one per block class (NOTE [eager block calls])."""
-    per_class: dict[type, int] = {}
-    for _, block in compiled_modules(module) if module is not None else ():
-        per_class[type(block)] = per_class.get(type(block), 0) + 1
-    return max(per_class.values(), default=1) * n_shapes + 1
+    specialised per layer, a ResNet stage changes channels). Dynamo keeps one recompile limit
+    per code object: one per block class for the block's own frame (NOTE [eager block calls]),
+    but a frame nested in the blocks (a library's shared helper, a hook that graph-breaks) is
+    one code object for every block of every class, so the limit covers all of them."""
+    blocks = len(compiled_modules(module)) if module is not None else 0
+    return max(blocks, 1) * n_shapes + 1
 
 
 def _report(module: nn.Module | None, before: dict[int, int], stats: CompileStats) -> None:
-    """Warn, naming the blocks, the failing guard and the fix, if a block call ran eagerly."""
+    """Warn, naming the blocks, the failing guard and the fix, if a block call ran eagerly;
+    and whenever dynamo gave up on a frame or hit its recompile limit during the warm-up."""
+    if stats.failures or stats.recompile_limit_hits:
+        _warn_failures(stats)
     if not stats.eager_block_calls:
         return
     after = eager_counts()
@@ -76,10 +85,25 @@ def _report(module: nn.Module | None, before: dict[int, int], stats: CompileStat
     eager = [(n, m) for n, m in named if after.get(id(m), 0) > before.get(id(m), 0)]
     names = ", ".join(n or "<root>" for n, _ in eager[:8]) + (" ..." if len(eager) > 8 else "")
     first = eager[0][1] if eager else None
-    why = eager_reason(first) if first is not None else ", ".join(stats.eager_blocks)
+    why = ", ".join(stats.eager_blocks)
+    if first is not None:
+        why = last_reason(first) or eager_reason(first)
     warnings.warn(
         f"warmup: {stats.eager_block_calls} of {stats.block_calls} compiled block calls ran "
         f"eagerly ({names or ', '.join(stats.eager_blocks)}); {why}",
+        RuntimeWarning,
+        stacklevel=outside_stacklevel(),
+    )
+
+
+def _warn_failures(stats: CompileStats) -> None:
+    warnings.warn(
+        f"warmup: dynamo gave up on {stats.failures} frame(s) and hit its recompile limit "
+        f"{stats.recompile_limit_hits} time(s) while warming up (the limit was raised to cover "
+        "every compiled block and shape); those frames run as plain Python from now on. A "
+        "frame that needs more graphs than blocks x shapes specialises on a value that "
+        "changes per call: make it a tensor or dynamic, or remove the graph break "
+        "(TORCH_LOGS=recompiles,graph_breaks says which)",
         RuntimeWarning,
         stacklevel=outside_stacklevel(),
     )
