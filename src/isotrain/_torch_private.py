@@ -29,6 +29,7 @@ __all__ = [
     "foreach_norms",
     "group_by_device_and_dtype",
     "has_triton",
+    "in_backward",
     "is_dynamo_error",
     "is_recompile_error",
     "non_persistent_buffer_names",
@@ -180,6 +181,11 @@ def backend_compiler(
     if backend == "inductor":
         return torch._TorchCompileInductorWrapper(mode, None, dynamic)
     return torch._TorchCompileWrapper(backend, mode, None, dynamic)
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpoint recompute)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def dynamo_allows_rnn() -> bool:

@@ -12,15 +12,8 @@ from isotrain.autograd._linear import (
     native_bf16_matmul,
 )
 from isotrain.autograd._ops import fused_fake_quantize
-from isotrain.autograd._qat import (
-    QuantConv1d,
-    QuantConv2d,
-    QuantConv3d,
-    QuantLinear,
-    QuantReport,
-    quantize_layers,
-    quantize_linear_layers,
-)
+from isotrain.autograd._qat import QuantConv1d, QuantConv2d, QuantConv3d, QuantLinear
+from isotrain.autograd._qat_convert import QuantReport, quantize_layers, quantize_linear_layers
 from isotrain.autograd._ste import (
     LSQQuantizer,
     StraightThroughEstimator,

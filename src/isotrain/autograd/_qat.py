@@ -1,26 +1,19 @@
-"""Quantization-aware training on the layers real models use, converted in place, with a report.
+"""Fake-quantizing layers: ``QuantLinear``, ``QuantConv1d/2d/3d``, HF ``Conv1D``'s twin, and
+quantized reads of their weights wherever the converted model reads them.
 
-``quantize_layers`` turns ``nn.Linear``, Hugging Face's ``Conv1D`` (GPT-2's linear layers, weight
-stored transposed) and ``nn.Conv1d/2d/3d`` into fake-quantizing twins: weights symmetric per
-output channel, optionally inputs too. It returns which layers it converted and which weight
-layers it left alone, and why; converting nothing is a warning.
+Weights are symmetric per output channel, optionally inputs too; ``_qat_convert`` converts a
+model's layers in place and reports what it did.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
-import logging
-import warnings
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from isotrain._shared import outside_stacklevel
-from isotrain._torch_private import conv_forward
+from isotrain._torch_private import conv_forward, in_backward
 from isotrain.autograd._ste import _LSQ, Gradient, _check_bits, _check_gradient
 
 __all__ = [
@@ -28,12 +21,9 @@ __all__ = [
     "QuantConv2d",
     "QuantConv3d",
     "QuantLinear",
-    "QuantReport",
-    "quantize_layers",
-    "quantize_linear_layers",
+    "install_reads",
+    "made_class",
 ]
-
-log = logging.getLogger(__name__)
 
 
 def _absmax_fake_quant(t: Tensor, dims: int | tuple[int, ...], qmax: int) -> Tensor:
@@ -52,6 +42,54 @@ def _check_qat(bits: int, gradient: str) -> None:
             "QuantLinear needs bits >= 2 (symmetric levels need a positive one); "
             "for binary weights use isotrain.autograd.sign_ste."
         )
+
+
+# NOTE [quantized reads]
+# A converted layer is quantized when called as `layer(x)`, but models also read weights
+# themselves: a functional call on `layer.weight`, nn.MultiheadAttention handing
+# `out_proj.weight` and `in_proj_weight` to its kernel, nn.TransformerEncoderLayer's fused
+# eval/no_grad fast path reading every weight of the layer at once. So each quantized class
+# turns its weights into properties: inside a forward of the converted model (the module given
+# to quantize_layers), and in backward (a checkpointed block's recompute), `layer.weight` is the
+# fake-quantized weight; elsewhere it is the Parameter itself, so initialisation, `.grad`,
+# weight tying (`head.weight is emb.weight`), optimizers and state-dict keys see what they
+# always did. A pair of hooks on that module (`install_reads`) counts into `_READING`; only
+# there, never inside blocks: compiled checkpointed blocks must not mutate Python state.
+_READING = [0]  # > 0 while a forward marked by install_reads runs
+
+
+class _Enter:
+    """Forward pre-hook: quantized reads on (NOTE [quantized reads])."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        _READING[0] += 1
+
+
+class _Exit:
+    """Forward hook, called on errors too: quantized reads off again once no forward runs."""
+
+    def __call__(self, module: nn.Module, args: Any, out: Any) -> None:
+        _READING[0] = max(_READING[0] - 1, 0)
+
+
+def install_reads(module: nn.Module) -> None:
+    """Mark `module`'s forwards as ones that read converted weights quantized (once)."""
+    if not any(isinstance(h, _Enter) for h in module._forward_pre_hooks.values()):
+        module.register_forward_pre_hook(_Enter())
+        module.register_forward_hook(_Exit(), always_call=True)
+
+
+def _quantized_read(name: str) -> property:
+    def read(self: Any) -> Tensor | None:
+        params = self._parameters
+        if name not in params:
+            raise AttributeError(name)  # not registered yet (hasattr in register_parameter)
+        p: Tensor | None = params[name]
+        if p is None or not (_READING[0] or in_backward()):
+            return p
+        return self.quantized(name)
+
+    return property(read, doc=f"`{name}`, fake-quantized inside forwards: NOTE [quantized reads]")
 
 
 class _QAT:
@@ -73,8 +111,18 @@ class _QAT:
     def qmax(self) -> int:
         return int(2 ** (self.bits - 1) - 1)
 
+    def _steps_over(self, w: Tensor) -> int | tuple[int, ...]:
+        """Dims one step is shared over: all but the output channel (dim 0)."""
+        return tuple(range(1, w.dim()))
+
+    def quantized(self, name: str) -> Tensor:
+        """Parameter `name` fake-quantized per output channel (read from the parameter itself)."""
+        raw: Tensor = self._parameters[name]  # type: ignore[attr-defined]
+        return _absmax_fake_quant(raw, self._steps_over(raw), self.qmax)
+
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, bits={self.bits}, activations={self.activations}"  # type: ignore[misc]
+        base = super().extra_repr()  # type: ignore[misc]
+        return f"{base + ', ' if base else ''}bits={self.bits}, activations={self.activations}"
 
 
 class QuantLinear(_QAT, nn.Linear):
@@ -84,10 +132,13 @@ class QuantLinear(_QAT, nn.Linear):
     Inputs (``activations=True``): the same, per token (over the last dim). Gradients are
     straight-through; absmax ranges clip nothing, so ``gradient="clipped"`` and ``"identity"``
     coincide (the option mirrors ``fake_quantize``). Same parameters and state-dict keys as
-    ``nn.Linear``. Example::
+    ``nn.Linear``; ``.weight`` read inside a forward of a converted model is the quantized
+    weight too (NOTE [quantized reads]). Example::
 
         layer = QuantLinear(64, 32, bits=4, activations=True)
     """
+
+    weight = _quantized_read("weight")
 
     def __init__(
         self,
@@ -105,7 +156,7 @@ class QuantLinear(_QAT, nn.Linear):
         self.configure(bits=bits, activations=activations, gradient=gradient)
 
     def forward(self, x: Tensor) -> Tensor:
-        w = _absmax_fake_quant(self.weight, 1, self.qmax)  # steps: (out, 1)
+        w = self.quantized("weight")  # steps: (out, 1)
         if self.activations:
             x = _absmax_fake_quant(x, -1, self.qmax)  # steps: (..., 1)
         return F.linear(x, w, self.bias)
@@ -113,6 +164,8 @@ class QuantLinear(_QAT, nn.Linear):
 
 class _QuantConv(_QAT):
     """A convolution whose weight is fake-quantized per output channel (and input per sample)."""
+
+    weight = _quantized_read("weight")
 
     def __init__(
         self,
@@ -126,8 +179,7 @@ class _QuantConv(_QAT):
         self.configure(bits=bits, activations=activations, gradient=gradient)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight: Tensor = self.weight  # type: ignore[attr-defined]
-        w = _absmax_fake_quant(weight, tuple(range(1, weight.dim())), self.qmax)  # (out, 1, ...)
+        w = self.quantized("weight")  # (out, 1, ...)
         if self.activations:
             x = _absmax_fake_quant(x, tuple(range(1, x.dim())), self.qmax)  # per sample
         return conv_forward(self, x, w)  # type: ignore[arg-type]
@@ -154,21 +206,36 @@ class QuantConv3d(_QuantConv, nn.Conv3d):
     """
 
 
-# NOTE [HF Conv1D]
-# GPT-2 (and GPT-J-era code) in Hugging Face Transformers use `Conv1D`: a linear layer with its
-# weight stored transposed, (in, out), computing addmm(bias, x, weight). isotrain does not import
-# transformers, so the layer is recognised by shape (a class named Conv1D whose weight is
-# (in, nf)) and gets a subclass made at conversion time; its output channels are the weight's
-# columns. The subclass pickles as "this base class, quantized" (`__reduce_ex__`), so
-# torch.save(model) / torch.load and copy.deepcopy work although it is not importable by name.
-class _QuantConv1DBase(_QAT):
-    """Forward of a quantized HF ``Conv1D`` (``y = x @ W + b`` with ``W`` of shape (in, out))."""
+# NOTE [made classes]
+# Some layers get a quantized class made at conversion time, a subclass of the model's own
+# class: HF's `Conv1D` (isotrain does not import transformers), subclasses of nn.Linear that
+# keep its forward (nn.MultiheadAttention's out_proj), nn.MultiheadAttention itself. A made
+# class pickles as "this base class, quantized this way" (`__reduce_ex__`), so torch.save /
+# torch.load and copy.deepcopy work although it is not importable by name.
+class _Made(_QAT):
+    """Base of the classes made at conversion time (NOTE [made classes])."""
 
     _base: type[nn.Module]
+    _how: str
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (_new_made, (self._how, self._base), self.__getstate__())  # type: ignore[attr-defined]
+
+
+# NOTE [HF Conv1D]
+# GPT-2 (and GPT-J-era code) in Hugging Face Transformers use `Conv1D`: a linear layer with its
+# weight stored transposed, (in, out), computing addmm(bias, x, weight). It is recognised by
+# shape (a class named Conv1D whose weight is (in, nf)); its output channels are the columns.
+class _QuantConv1DBase(_Made):
+    """Forward of a quantized HF ``Conv1D`` (``y = x @ W + b`` with ``W`` of shape (in, out))."""
+
+    weight = _quantized_read("weight")
+
+    def _steps_over(self, w: Tensor) -> int | tuple[int, ...]:
+        return 0  # steps: (1, out)
 
     def forward(self, x: Tensor) -> Tensor:
-        weight: Tensor = self.weight  # type: ignore[attr-defined]
-        w = _absmax_fake_quant(weight, 0, self.qmax)  # steps: (1, out)
+        w = self.quantized("weight")
         if self.activations:
             x = _absmax_fake_quant(x, -1, self.qmax)
         flat = x.reshape(-1, x.shape[-1])  # (tokens, in)
@@ -176,181 +243,39 @@ class _QuantConv1DBase(_QAT):
         out = flat @ w if bias is None else torch.addmm(bias, flat, w)
         return out.view(*x.shape[:-1], w.shape[1])
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (_new_quant_conv1d, (self._base,), self.__getstate__())  # type: ignore[attr-defined]
+
+class _QuantLinearSub(_Made, QuantLinear):
+    """A subclass of nn.Linear that keeps its forward (MultiheadAttention's out_proj)."""
 
 
-_CONV1D: dict[type[nn.Module], type[nn.Module]] = {}
+class _QuantAttention(_Made):
+    """nn.MultiheadAttention with its input projections quantized where its forward (or the
+    fused fast path of a TransformerEncoderLayer) reads them: NOTE [quantized reads]."""
+
+    in_proj_weight = _quantized_read("in_proj_weight")
+    q_proj_weight = _quantized_read("q_proj_weight")
+    k_proj_weight = _quantized_read("k_proj_weight")
+    v_proj_weight = _quantized_read("v_proj_weight")
 
 
-def _quant_conv1d_class(base: type[nn.Module]) -> type[nn.Module]:
-    made = _CONV1D.get(base)
+_MIXINS: dict[str, type[_Made]] = {
+    "conv1d": _QuantConv1DBase,
+    "linear": _QuantLinearSub,
+    "attention": _QuantAttention,
+}
+_MADE: dict[tuple[str, type[nn.Module]], type[nn.Module]] = {}
+
+
+def made_class(how: str, base: type[nn.Module]) -> type[nn.Module]:
+    """The quantized subclass of `base` made the `how` way (one per pair, reused)."""
+    made = _MADE.get((how, base))
     if made is None:
-        made = type(f"Quant{base.__name__}", (_QuantConv1DBase, base), {"_base": base})
-        _CONV1D[base] = made
+        attrs = {"_base": base, "_how": how}
+        made = type(f"Quant{base.__name__}", (_MIXINS[how], base), attrs)
+        _MADE[(how, base)] = made
     return made
 
 
-def _new_quant_conv1d(base: type[nn.Module]) -> nn.Module:
-    cls = _quant_conv1d_class(base)
+def _new_made(how: str, base: type[nn.Module]) -> nn.Module:
+    cls = made_class(how, base)
     return cls.__new__(cls)
-
-
-def _is_hf_conv1d(m: nn.Module) -> bool:
-    w = getattr(m, "weight", None)
-    return (
-        type(m).__name__ == "Conv1D"
-        and isinstance(w, Tensor)
-        and w.dim() == 2
-        and getattr(m, "nf", None) == w.shape[1]
-    )
-
-
-_LINEAR: dict[type[nn.Module], type[nn.Module]] = {nn.Linear: QuantLinear}
-_CONV: dict[type[nn.Module], type[nn.Module]] = {
-    nn.Conv1d: QuantConv1d,
-    nn.Conv2d: QuantConv2d,
-    nn.Conv3d: QuantConv3d,
-}
-_PLAIN = {q: p for p, q in (*_LINEAR.items(), *_CONV.items())}
-
-
-def _classify(m: nn.Module) -> tuple[str, type[nn.Module] | None, type[nn.Module] | None, str]:
-    """(kind, plain class, quantized class, why not) for a weight layer; kind "" for others."""
-    cls = type(m)
-    plain = _PLAIN.get(cls, cls)
-    if plain in _LINEAR:
-        return "linear", plain, _LINEAR[plain], ""
-    if plain in _CONV:
-        return "conv", plain, _CONV[plain], ""
-    if isinstance(m, _QuantConv1DBase):
-        return "linear", m._base, cls, ""
-    if _is_hf_conv1d(m):
-        return "linear", cls, _quant_conv1d_class(cls), ""
-    if isinstance(m, nn.Linear):
-        why = f"a subclass of nn.Linear ({cls.__name__}) whose forward may be bypassed"
-        return "linear", None, None, why + " (nn.MultiheadAttention reads out_proj.weight)"
-    if isinstance(m, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
-        return "conv", None, None, "a transposed convolution: not supported"
-    if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
-        return (
-            "conv",
-            None,
-            None,
-            f"a subclass of a convolution ({cls.__name__}) with its own forward",
-        )
-    if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-        return "other", None, None, "an embedding (a lookup, not a product): kept in full precision"
-    weight = m._parameters.get("weight") if hasattr(m, "_parameters") else None
-    if isinstance(weight, Tensor) and weight.dim() >= 2:
-        return "other", None, None, f"{cls.__name__}: no quantized twin for this layer"
-    return "", None, None, ""
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantReport:
-    """Which layers ``quantize_layers`` converted, and the weight layers it left, with why.
-
-    Example: ``report = quantize_layers(model, bits=8); print(report)``
-    """
-
-    converted: tuple[str, ...]
-    skipped: tuple[tuple[str, str, str], ...]  # (name, layer type, reason)
-
-    def __str__(self) -> str:
-        lines = [f"quantized {len(self.converted)} layer(s), left {len(self.skipped)}"]
-        lines += [f"  kept {name} ({kind}): {why}" for name, kind, why in self.skipped]
-        return "\n".join(lines)
-
-
-def _convert(
-    model: nn.Module, opts: dict[str, Any], exclude: tuple[str, ...], kinds: tuple[str, ...]
-) -> QuantReport:
-    converted: list[str] = []
-    skipped: list[tuple[str, str, str]] = []
-    for name, module in model.named_modules():  # shared modules are visited once
-        kind, plain, quant, why = _classify(module)
-        if not kind:
-            continue
-        label = type(module).__name__ if plain is None else plain.__name__
-        hit = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
-        if quant is None or plain is None:
-            skipped.append((name, label, why))
-        elif hit is not None:
-            module.__class__ = plain  # excluded now: back to full precision
-            skipped.append((name, label, f"excluded by {hit!r}"))
-        elif kind not in kinds:
-            module.__class__ = plain
-            skipped.append((name, label, f"a {kind} layer; kinds={kinds} leaves it out"))
-        else:
-            module.__class__ = quant
-            module.configure(**opts)
-            converted.append(name)
-    return QuantReport(tuple(converted), tuple(skipped))
-
-
-# NOTE [in-place QAT conversion]
-# Conversion changes each layer's class (`module.__class__ = QuantLinear`, the mechanism
-# torch.nn.utils.parametrize uses) instead of building new modules. The module object stays the
-# same, so its Parameters, tied weights (a GPT LM head sharing the token embedding), hooks, an
-# optimizer's param groups and state-dict keys all stay valid, and a snapshot loads into the
-# unquantized model. Only layers whose forward isotrain knows change: subclasses may not use
-# `forward` (nn.MultiheadAttention's out_proj does not). Convert before checkpointing and compile.
-def quantize_layers(
-    model: nn.Module,
-    *,
-    bits: int,
-    activations: bool = False,
-    gradient: Gradient = "clipped",
-    exclude: Iterable[str] = (),
-    kinds: Iterable[str] = ("linear", "conv"),
-) -> QuantReport:
-    """Make every ``nn.Linear``, HF ``Conv1D`` and ``nn.Conv1d/2d/3d`` of ``model`` fake-quantize
-    its weights (per output channel) in place; returns what it converted and kept, and why.
-
-    ``exclude`` holds fnmatch patterns of module names to keep in full precision; ``kinds``
-    picks "linear" (Linear, Conv1D) and/or "conv". A second call reconfigures: afterwards
-    exactly the chosen layers are quantized with the new options. Converting nothing warns.
-
-    Example::
-
-        report = quantize_layers(resnet, bits=4, exclude=["fc"])
-        print(report)  # quantized 20 layer(s), left 1 / kept fc (Linear): excluded by 'fc'
-    """
-    _check_qat(bits, gradient)  # validate before touching any layer
-    kinds = tuple(kinds)
-    if not kinds or set(kinds) - {"linear", "conv"}:
-        raise ValueError(f"kinds must hold 'linear' and/or 'conv', got {kinds!r}")
-    patterns = (exclude,) if isinstance(exclude, str) else tuple(exclude)
-    opts = {"bits": bits, "activations": activations, "gradient": gradient}
-    report = _convert(model, opts, patterns, kinds)
-    log.info("%s", report)
-    if not report.converted:
-        warnings.warn(
-            f"quantization converted no layer of {type(model).__name__}: {report}",
-            UserWarning,
-            stacklevel=outside_stacklevel(),
-        )
-    return report
-
-
-def quantize_linear_layers(
-    model: nn.Module,
-    *,
-    bits: int,
-    activations: bool = False,
-    gradient: Gradient = "clipped",
-    exclude: Iterable[str] = (),
-) -> nn.Module:
-    """``quantize_layers(..., kinds=("linear",))``: every ``nn.Linear`` and HF ``Conv1D``;
-    returns ``model``. Converting nothing warns, with the reason for each layer kept.
-
-    Example::
-
-        quantize_linear_layers(gpt, bits=8, exclude=["lm_head"])
-    """
-    quantize_layers(
-        model, bits=bits, activations=activations, gradient=gradient, exclude=exclude,
-        kinds=("linear",),
-    )  # fmt: skip
-    return model
