@@ -2,8 +2,9 @@
 
 BatchNorm updates its running statistics in the forward, long before the guard decides. One
 NaN image then poisons every running mean of a step the guard skips, and eval returns NaN.
-`StepGuard(..., protect_buffers=True)` copies the model's persistent buffers at the first
-forward after each step and, on a skip, selects the copies back: NOTE [protected buffers].
+`StepGuard` (by default wherever the model has floating-point buffers a forward writes; or
+`protect_buffers=True`) copies the model's persistent buffers at the first forward after each
+step and, on a skip, selects the copies back: NOTE [protected buffers].
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import buffer_slots
-from isotrain._torch_private import foreach_copy_, non_persistent_buffer_names
+from isotrain._torch_private import foreach_copy_, non_persistent_buffer_names, tensor_version
 
 __all__ = ["BufferGuard"]
 
@@ -31,6 +32,12 @@ __all__ = ["BufferGuard"]
 # nets a few KB to MB, nothing for models without buffers. The hook runs eagerly under
 # torch.compile (a graph break at the top of a whole-model compile, none for per-block compile).
 # It holds the guard weakly: a dropped guard leaves an inert hook; `close()` removes it.
+#
+# NOTE [protect by default]
+# Left to its default, protection is on for a model with floating-point persistent buffers, and
+# the first step decides whether it stays: if its forwards wrote none of them (no module that
+# tracks running statistics in training mode, no buffer whose version moved: a frozen table,
+# BatchNorm in eval), the hook is removed and later steps cost nothing.
 
 
 class _CaptureHook:
@@ -62,11 +69,16 @@ class BufferGuard:
     Example: ``bg = BufferGuard(model, warn); ...forward...; bg.settle(ok, host=False)``
     """
 
-    def __init__(self, model: nn.Module, warn: Callable[[str, str], None]) -> None:
+    def __init__(
+        self, model: nn.Module, warn: Callable[[str, str], None], *, auto: bool = False
+    ) -> None:
         self.slots = [
             (o, n) for o, n in buffer_slots([model]) if n not in non_persistent_buffer_names(o)
         ]
         self._warn = warn
+        self.auto = auto  # NOTE [protect by default]: the first step decides whether to stay
+        self.off = False  # ... and decided to go
+        self._versions: list[int] = []
         self.armed, self.captured = True, False
         self._src: list[torch.Tensor] = []
         self._copies: list[torch.Tensor] = []
@@ -82,18 +94,44 @@ class BufferGuard:
         if tensors:
             with torch.no_grad():
                 foreach_copy_(self._copies, tensors)
+        if self.auto:
+            self._versions = [tensor_version(t) for t in tensors]
         self.captured = True
+
+    @property
+    def has_float(self) -> bool:
+        """Whether any protected buffer is floating point (what the default protects)."""
+        return any(getattr(o, n).is_floating_point() for o, n in self.slots)
+
+    def _stay(self) -> bool:
+        """NOTE [protect by default]: did the forwards write a floating-point buffer?"""
+        self.auto = False
+        for (o, _), t, v in zip(self.slots, self._src, self._versions):
+            tracks = getattr(o, "track_running_stats", False) and o.training
+            if t.is_floating_point() and (tracks or tensor_version(t) != v):
+                return True
+        self.close()
+        self.off = True
+        return False
 
     def settle(self, ok: torch.Tensor | bool, *, host: bool) -> None:
         """After the decision: keep the buffers if `ok`, else put back the captured copies."""
+        if self.off:
+            return
         if not self.captured:
             self._warn(
                 "buffers",
                 "protect_buffers: no forward of the model ran since the last step (or since the "
                 "guard was built), so there was nothing to restore; build the guard before the "
-                "first forward and pass the model whose forward the loop calls",
+                "first forward and pass the model whose forward the loop calls"
+                + (
+                    " (protection is on by default for a model with floating-point buffers; "
+                    "protect_buffers=False turns it off)"
+                    if self.auto
+                    else ""
+                ),
             )
-        elif self.slots:
+        elif self.slots and (not self.auto or self._stay()):
             with torch.no_grad():
                 self._restore(ok, host)
         self.armed, self.captured = True, False

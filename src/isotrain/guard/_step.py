@@ -76,9 +76,10 @@ class StepGuard:
 
     `optimizer` may be wrapped (Lightning Fabric, HF Accelerate, your own forwarding class): the
     guard steps what you pass and skips on the torch optimizer inside (NOTE [wrapped optimizers]).
-    With `protect_buffers=True` a skipped step also leaves the model's buffers (BatchNorm
-    statistics) as they were before its forward (NOTE [protected buffers]; `close()` removes
-    the hook this installs).
+    A skipped step also leaves the model's buffers (BatchNorm statistics) as they were before
+    its forward: by default when `model` has floating-point buffers its forwards write, always
+    with `protect_buffers=True`, never with False (NOTE [protected buffers], NOTE [protect by
+    default]; `close()` removes the hook this installs).
 
     Example::
 
@@ -103,7 +104,7 @@ class StepGuard:
         spike_min_samples: int = 16,
         process_group: Any = None,
         skip_mode: str = "auto",
-        protect_buffers: bool = False,
+        protect_buffers: bool | None = None,
     ) -> None:
         if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")):
             raise TypeError(
@@ -122,7 +123,7 @@ class StepGuard:
         self._warned: set[str] = set()
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
-        self.buffers = self._buffer_guard(model) if protect_buffers else None
+        self.buffers = self._buffer_guard(model, protect_buffers)
         self.spikes: SpikeDetector | HostSpikeDetector | None = None
         if spike_k is not None:
             window: dict[str, Any] = {
@@ -160,14 +161,16 @@ class StepGuard:
             self._last = torch.zeros(4, dtype=torch.float32, device=dev)
             self._count_table = self._make_count_table().to(dev)
 
-    def _buffer_guard(self, model: Any) -> BufferGuard | None:
+    def _buffer_guard(self, model: Any, protect: bool | None) -> BufferGuard | None:
+        if protect is False or (protect is None and not isinstance(model, nn.Module)):
+            return None
         if not isinstance(model, nn.Module):
             raise ValueError(
                 "protect_buffers=True needs the model (an nn.Module) as StepGuard's second "
                 f"argument to find its buffers, got {type(model).__name__}"
             )
-        guard = BufferGuard(model, self._warn_once)
-        if not guard.slots:  # nothing to protect: no hook, so forwards keep their fast path
+        guard = BufferGuard(model, self._warn_once, auto=protect is None)
+        if not guard.slots or (protect is None and not guard.has_float):  # nothing to protect
             guard.close()
             return None
         return guard
