@@ -196,6 +196,16 @@ EXPECTED = {
         "| step time guarded / plain [95% CI] | CI half-width | update ms, plain -> guarded |",
         {"no skipped steps", "equal losses"},
     ),
+    "guard_buffers": (
+        "| channels | buffer KB | skip mode | off: step ms | default (protected): step ms "
+        "| step time protected / off [95% CI] | CI half-width | extra ms per step [95% CI] |",
+        {
+            "no skipped steps",
+            "equal losses",
+            "protected by default",
+            "a NaN image leaves the statistics",
+        },
+    ),
     "checkpointing": (
         "| T | policy | ckpt blocks | saved MB | bytes cut | step s | step time x [95% CI] "
         "| FLOPs x |",
