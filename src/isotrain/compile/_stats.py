@@ -4,7 +4,7 @@ Dynamo falls back to eager in silence when a frame hits its recompile limit: lat
 miss every cached graph just run the Python code. Compiled blocks therefore count their calls
 (`note_call`), their eager runs (`note_eager`, called only from Python that compiled code
 never executes) and the compiled graphs that ran (`note_graph`, NOTE [graphs that ran] in
-`_regional`), so `CompileStats` can say how many block calls really ran compiled and
+`_coverage`), so `CompileStats` can say how many block calls really ran compiled and
 `no_recompiles()` can refuse an eager one: NOTE [eager block calls] in `_regional`.
 """
 
