@@ -126,3 +126,24 @@ def test_warmup_warns_when_a_nested_frame_hits_the_limit() -> None:
     assert stats.eager_block_calls > 0
     with no_recompiles(), pytest.raises(RuntimeError, match="a frame inside it"):
         model(x)
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+def test_models_compiled_apart_share_their_graphs_and_count_them() -> None:
+    first, second, x = Stack([Small(), Small()]), Stack([Small(), Small()]), torch.randn(2, 8)
+    compile_model(first, backend="eager")
+    compile_model(second, backend="eager")
+    with track_compiles() as one:
+        first(x)
+    with track_compiles() as two:
+        second(x)  # the same block class, backend and shapes: the cached graph serves
+    assert one.compilations > 0 and two.compilations == 0
+    assert (one.graph_calls, two.graph_calls, two.eager_block_calls) == (2, 2, 0)

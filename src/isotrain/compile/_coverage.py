@@ -43,6 +43,14 @@ class CountingBackend:
 
         return counted
 
+    def __eq__(self, other: object) -> bool:
+        # Equal backends (same compiler and mode) share graphs across compile_model calls, as
+        # torch.compile's own wrappers do: dynamo reuses a cached graph when backends compare equal.
+        return isinstance(other, CountingBackend) and self.inner == other.inner
+
+    def __hash__(self) -> int:
+        return hash(type(self.inner))
+
     def reset(self) -> None:
         reset = getattr(self.inner, "reset", None)
         if reset is not None:
