@@ -54,7 +54,8 @@ def _check_qat(bits: int, gradient: str) -> None:
 # fake-quantized weight; elsewhere it is the Parameter itself, so initialisation, `.grad`,
 # weight tying (`head.weight is emb.weight`), optimizers and state-dict keys see what they
 # always did. A pair of hooks on that module (`install_reads`) counts into `_READING`; only
-# there, never inside blocks: compiled checkpointed blocks must not mutate Python state.
+# there, never inside blocks: compiled checkpointed blocks must not mutate Python state. The
+# count is process-wide: while such a forward runs, reads from other threads are quantized too.
 _READING = [0]  # > 0 while a forward marked by install_reads runs
 
 
