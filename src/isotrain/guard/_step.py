@@ -24,7 +24,7 @@ from isotrain._torch_private import (
     scaler_optimizer_state,
     scaler_pending,
     scaler_scale,
-    set_grad_enabled,
+    set_grad_mode,
     supports_found_inf,
 )
 from isotrain.guard._buffers import BufferGuard
@@ -177,11 +177,11 @@ class StepGuard:
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
         """Unscale, clip, decide, apply or skip the update, update the scaler, count, zero grads."""
         grad_mode = torch.is_grad_enabled()
-        set_grad_enabled(False)  # torch.no_grad(), without its per-call objects
+        set_grad_mode(False)  # torch.no_grad(), without its per-call objects
         try:
             outcome = self._host_step(loss) if self.host else self._device_step(loss)
         finally:
-            set_grad_enabled(grad_mode)
+            set_grad_mode(grad_mode)
         self.steps += 1
         return outcome
 
