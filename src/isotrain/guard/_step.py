@@ -205,16 +205,22 @@ class StepGuard:
 
     def _host_step(self, loss: torch.Tensor | float) -> StepOutcome:
         # NOTE [skip modes] in guard_select: on CPU every read below waits for no device.
-        # In a real loop each Python call here costs about a microsecond (forward and backward
-        # evict the guard from the caches), so the usual case (one rank, no scaler) makes few.
+        # Few Python calls in the usual case (one rank, no scaler): in a real loop, where forward
+        # and backward evict the guard from the caches, each costs about a microsecond.
         loss32 = self._loss32(loss)
         scale, found_inf = (self._one, None) if self.scaler is None else self._unscale()
         grads, norm = self._grad_norm()
         norm_g = _on(norm, self.device)
-        if found_inf is None and self._world_size == 1:
-            lf, nf, of = loss32.item(), norm_g.item(), 0.0  # sync: host mode
+        if (self._world_size or self._world()) > 1:
+            overflow = found_inf if found_inf is not None else torch.zeros((), device=self.device)
+            vec = self._all_reduce_mean(torch.stack([loss32, norm_g, overflow.float()]))
+            loss32, norm_g = vec[0], vec[1]
+            lf, nf, of = vec.tolist()  # sync: host mode
+            if found_inf is not None:
+                self._agree_found_inf(vec[2] > 0)
         else:
-            loss32, norm_g, lf, nf, of = self._host_reads(loss32, norm_g, found_inf)
+            lf, nf = loss32.item(), norm_g.item()  # sync: host mode
+            of = found_inf.item() if found_inf is not None else 0.0  # sync: host mode
         # The whole decision, and the spike window's update when it is 0 (apply): one call.
         reason = _host_reason(lf, of, nf, self.spikes)  # type: ignore[arg-type]
         ok = reason == 0
@@ -235,20 +241,6 @@ class StepGuard:
         self.optimizer.zero_grad(set_to_none=True)
         applied_t, reason_t = self._consts
         return StepOutcome(applied_t[reason], reason_t[reason], norm_g, loss32, scale)
-
-    def _host_reads(
-        self, loss32: torch.Tensor, norm_g: torch.Tensor, found_inf: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, float, float, float]:
-        """Loss, norm and overflow as host floats (host mode), agreed across ranks first."""
-        if self._world() == 1:
-            of = found_inf.item() if found_inf is not None else 0.0  # sync: host mode
-            return loss32, norm_g, loss32.item(), norm_g.item(), of  # sync: host mode
-        overflow = found_inf if found_inf is not None else torch.zeros((), device=self.device)
-        vec = self._all_reduce_mean(torch.stack([loss32, norm_g, overflow.float()]))
-        lf, nf, of = vec.tolist()  # sync: host mode
-        if found_inf is not None:
-            self._agree_found_inf(vec[2] > 0)
-        return vec[0], vec[1], lf, nf, of
 
     def _resolve_mode(self, mode: str, device: torch.device) -> str:
         inner = self.inner
