@@ -185,8 +185,8 @@ PHASES = {  # label: "file suffix:function"; a phase whose function is gone is l
     "_unscale": "guard/_step.py:_unscale",
     "_grad_norm (foreach norms)": "guard/_step.py:_grad_norm",
     "_decide (device decision)": "guard/_step.py:_decide",
-    "_host_reason (host decision)": "guard/_outcome.py:_host_reason",
-    "HostSpikeDetector.push": "guard/_spikes.py:push",
+    "_host_reason (host decision, with the window)": "guard/_outcome.py:_host_reason",
+    "HostSpikeDetector.observe (spike window)": "guard/_spikes.py:observe",
     "SpikeDetector.is_spike": "guard/_spikes.py:is_spike",
     "SpikeDetector.update": "guard/_spikes.py:update",
     "clip_grads_with_norm_": "clip_grad.py:_clip_grads_with_norm_",
@@ -275,6 +275,25 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def load_note(res: dict[str, Any]) -> list[str]:
+    """A line when other work shared the cores: absolute times inflate, fractions less so."""
+    m, v = res["meta"], res["variants"]
+    if max(m["load_before"], m["load_after"]) <= m["cores"] / 2 or "plain" not in v:
+        return []
+    plain = v["plain"]["ms_per_step"]
+    extra = [
+        f"{name} {100 * r['overhead_ms']['median'] / plain:+.1f}%"
+        for name, r in v.items()
+        if r.get("overhead_ms")
+    ]
+    return [
+        f"- Shared machine: the 1-minute load average was {m['load_before']} -> "
+        f"{m['load_after']} on {m['cores']} cores, so other processes held the cores and caches "
+        f"and every time here is inflated (plain's step: {plain:.3f} ms). The paired extras as a "
+        f"fraction of plain's step travel better: {', '.join(extra)}."
+    ]
+
+
 def verdicts(res: dict[str, Any]) -> list[str]:
     v, out = res["variants"], []
     iso = v.get("isotrain", {}).get("overhead_ms")
@@ -356,7 +375,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     if "isotrain-noguard" in per_step:
         guard = paired_diffs(per_step, "isotrain-noguard")["isotrain"]
         res["guard_ms"] = summarize(guard)
-    res["notes"] = verdicts(res)
+    res["notes"] = verdicts(res) + load_note(res)
     return res
 
 

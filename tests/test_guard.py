@@ -219,6 +219,36 @@ def test_host_push_equals_update_for_float32_values():
     assert_same(pushed.state_dict(), updated.state_dict())
 
 
+def test_observe_is_is_spike_then_push_bit_for_bit():
+    # The guard's one-call host decision against the general path, over a stream that wraps the
+    # window, repeats a value (the std floor), spikes in each series and spans float32's range.
+    kw = {"k": 3.0, "window": 8, "min_samples": 3}
+    fast, ref = HostSpikeDetector(**kw), HostSpikeDetector(**kw)
+    stream = [[2.0, 1.0]] * 5 + [[2.0, 9.0], [40.0, 1.0]]
+    stream += [[1.5 + 0.1 * (i % 7), 0.5 + 0.03 * i] for i in range(20)]
+    stream += [[1e-40, 3e38], [1e-44, 1e-45], [3e38, 1e-40], [0.0, 0.0]]  # subnormal to huge
+    codes = []
+    for v in torch.tensor(stream).tolist():  # float32 values, as the guard feeds them
+        loss_spike, grad_spike = ref.is_spike(v)
+        expect = 1 if loss_spike else 2 if grad_spike else 0
+        if not expect:
+            ref.push(v)
+        codes.append(fast.observe(*v))
+        assert codes[-1] == expect, (v, codes)
+        assert fast._limits == ref._limits and fast.count == ref.count
+    assert 1 in codes and 2 in codes and codes[:5] == [0] * 5  # both spike kinds were seen
+    assert fast._sum == ref._sum and fast._sumsq == ref._sumsq
+    assert_same(fast.state_dict(), ref.state_dict())
+    edge = HostSpikeDetector(k=3.0, window=4, min_samples=4)
+    assert [edge.observe(1.0, g) for g in (0.0, 0.0, 0.0, 4.0)] == [0] * 4  # norms: mean 1, std 2
+    assert edge._limits[1] == 7.0 and edge.observe(1.0, 7.000001) == 2  # the window unchanged
+    assert edge.observe(1.0, 7.0) == 0  # at the limit is not above it
+    with pytest.raises(
+        ValueError, match=r"observe\(\) needs a detector of 2 series, this one has 1"
+    ):
+        HostSpikeDetector(n_series=1).observe(1.0, 1.0)
+
+
 def test_spike_detector_matches_mean_plus_k_std_over_the_last_window():
     det = SpikeDetector(n_series=1, k=3.0, window=8, min_samples=4)
     accepted: list[float] = []

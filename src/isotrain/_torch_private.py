@@ -40,10 +40,17 @@ __all__ = [
     "scaler_pending",
     "scaler_scale",
     "set_compiled_call",
+    "set_grad_mode",
     "supports_found_inf",
     "tensor_version",
     "tree_leaves",
 ]
+
+
+# -- grad mode (torch._C) ---------------------------------------------------------------------
+# The C setter itself: `with torch.no_grad()` builds Python objects worth ~2 us a call, which
+# the guarded step (a fixed cost of every training step) avoids with a try/finally around this.
+set_grad_mode: Callable[[bool], None] = torch._C._set_grad_enabled
 
 
 # -- foreach kernels (torch.utils._foreach_utils, torch._foreach_*) ---------------------------

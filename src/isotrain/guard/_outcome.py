@@ -7,8 +7,8 @@ Shared by :class:`isotrain.guard.StepGuard`'s device and host paths (and re-expo
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
+from math import isfinite
 from typing import Any
 
 import torch
@@ -57,23 +57,22 @@ class StepOutcome:
 _FLAG_CODES: tuple[int, ...] = tuple(int(c) for c in (  # plain ints: cheap on the host path
     SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
     SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE))  # fmt: skip
+_NONFINITE_LOSS, _SCALER_OVERFLOW, _NONFINITE_GRAD = _FLAG_CODES[:3]
+_SPIKE_CODES = (0, int(SkipReason.LOSS_SPIKE), int(SkipReason.GRAD_SPIKE))  # observe()'s
 
 
 def _host_reason(
     loss: float, overflow: float, norm: float, spikes: HostSpikeDetector | None
 ) -> int:
-    """The first of `_FLAG_CODES` that holds for host values (0: apply); no list per step."""
-    c_loss, c_overflow, c_grad, c_loss_spike, c_grad_spike = _FLAG_CODES
-    if not math.isfinite(loss):
-        return c_loss
+    """The first of `_FLAG_CODES` that holds for host values; 0: apply, and the spike window
+    took the values (the whole host decision: two Python calls with a window, one without)."""
+    if not isfinite(loss):
+        return _NONFINITE_LOSS
     if overflow > 0:
-        return c_overflow
-    if not math.isfinite(norm):
-        return c_grad
-    if spikes is not None:
-        loss_spike, grad_spike = spikes.is_spike([loss, norm])
-        return c_loss_spike if loss_spike else c_grad_spike if grad_spike else 0
-    return 0
+        return _SCALER_OVERFLOW
+    if not isfinite(norm):
+        return _NONFINITE_GRAD
+    return 0 if spikes is None else _SPIKE_CODES[spikes.observe(loss, norm)]
 
 
 def _clip_is_one(max_norm: float, norm: torch.Tensor, norm_f: float) -> bool:

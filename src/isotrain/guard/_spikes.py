@@ -83,12 +83,15 @@ class SpikeDetector:
 # Every float32 is an integer multiple of 2**-149, so the host window keeps its running sum and sum
 # of squares as exact Python ints (value * 2**149 and its square). The variance's numerator
 # n*sum(x^2) - sum(x)^2 is formed exactly in ints (no cancellation) and only then rounded to a
-# float; the scale 2**-149 is applied with ldexp, which is exact. No drift over millions of steps,
-# and the same sums whether the window was filled step by step or loaded from a snapshot (so a
-# resumed run makes exactly the decisions of an uninterrupted one). Big-int true division is
-# avoided: it costs several microseconds a step.
+# float; the scale 2**-149 is applied by multiplying with that power of two, which rounds exactly
+# as ldexp does (once, correctly). No drift over millions of steps, and the same sums whether the
+# window was filled step by step or loaded from a snapshot (so a resumed run makes exactly the
+# decisions of an uninterrupted one). Big-int true division is avoided: it costs several
+# microseconds a step. Until the window is warm the limits are +inf: no value is above them.
 _SHIFT = 149
 _SCALE = 2.0**_SHIFT
+_UNSCALE, _UNSCALE_SQ = 2.0**-_SHIFT, 2.0 ** (-2 * _SHIFT)  # both exact doubles
+_COLD = math.inf
 
 
 _F32 = struct.Struct("f")
@@ -115,6 +118,7 @@ class HostSpikeDetector:
     """
 
     REL_STD_FLOOR = SpikeDetector.REL_STD_FLOOR
+    _limits: list[float]  # mean + k * std per series, recomputed when the window changes
 
     def __init__(
         self, *, n_series: int = 2, k: float = 6.0, window: int = 128, min_samples: int = 16
@@ -132,10 +136,47 @@ class HostSpikeDetector:
 
     def is_spike(self, values: list[float]) -> list[bool]:
         """Which values exceed mean + k*std of their window (all False until warm)."""
+        return [v > lim for v, lim in zip(values, self._limits, strict=True)]
+
+    def observe(self, loss: float, norm: float) -> int:
+        """The guard's per-step test and update, for two series of finite float32 values.
+
+        1 if ``loss`` spikes, 2 if ``norm`` does (the window unchanged), else 0 once both are in
+        the window: `is_spike` then `push` in one call, the arithmetic of `_set_limits` unrolled.
+        """
         limits = self._limits
-        if limits is None:
-            return [False] * len(values)
-        return [v > lim for v, lim in zip(values, limits, strict=True)]
+        if len(limits) != 2:
+            raise ValueError(f"observe() needs a detector of 2 series, this one has {len(limits)}")
+        if loss > limits[0]:
+            return 1
+        if norm > limits[1]:
+            return 2
+        count, window = self.count, self.window
+        slot = count % window
+        ring_l, ring_n = self._ints
+        sums, sumsqs = self._sum, self._sumsq
+        new_l, new_n = int(loss * _SCALE), int(norm * _SCALE)
+        old_l, old_n = ring_l[slot], ring_n[slot]
+        ring_l[slot], ring_n[slot] = new_l, new_n
+        s_l = sums[0] = sums[0] + (new_l - old_l)
+        s_n = sums[1] = sums[1] + (new_n - old_n)
+        q_l = sumsqs[0] = sumsqs[0] + (new_l * new_l - old_l * old_l)
+        q_n = sumsqs[1] = sumsqs[1] + (new_n * new_n - old_n * old_n)
+        self.count = count = count + 1
+        if count < self.min_samples:
+            return 0
+        n = count if count < window else window
+        pairs, k, floor = n * (n - 1), self.k, self.REL_STD_FLOOR
+        mean_l, mean_n = float(s_l) / n * _UNSCALE, float(s_n) / n * _UNSCALE
+        std_l = math.sqrt(float(n * q_l - s_l * s_l) / pairs * _UNSCALE_SQ)
+        std_n = math.sqrt(float(n * q_n - s_n * s_n) / pairs * _UNSCALE_SQ)
+        floor_l = (mean_l if mean_l >= 0 else -mean_l) * floor
+        floor_n = (mean_n if mean_n >= 0 else -mean_n) * floor
+        self._limits = [
+            mean_l + k * (floor_l if floor_l > std_l else std_l),
+            mean_n + k * (floor_n if floor_n > std_n else std_n),
+        ]
+        return 0
 
     def update(self, values: list[float], accept: bool) -> None:
         """Write ``values`` (finite) into the ring buffers when ``accept``."""
@@ -167,16 +208,16 @@ class HostSpikeDetector:
         self._set_limits()
 
     def _set_limits(self) -> None:
-        """mean + k * max(std, |mean| * floor) per series, from the exact sums; None until warm."""
-        self._limits: list[float] | None = None
+        """mean + k * max(std, |mean| * floor) per series, from the exact sums; +inf until warm."""
         if self.count < self.min_samples:
+            self._limits = [_COLD] * len(self._sum)
             return
         n = min(self.count, self.window)
-        k, floor, ldexp, sqrt = self.k, self.REL_STD_FLOOR, math.ldexp, math.sqrt
+        k, floor, sqrt = self.k, self.REL_STD_FLOOR, math.sqrt
         limits = []
         for s, q in zip(self._sum, self._sumsq):  # see NOTE [exact host window]
-            mean = ldexp(float(s) / n, -_SHIFT)
-            std = sqrt(ldexp(float(n * q - s * s) / (n * (n - 1)), -2 * _SHIFT))
+            mean = float(s) / n * _UNSCALE
+            std = sqrt(float(n * q - s * s) / (n * (n - 1)) * _UNSCALE_SQ)
             limits.append(mean + k * max(std, abs(mean) * floor))
         self._limits = limits
 
