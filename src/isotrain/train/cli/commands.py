@@ -81,7 +81,9 @@ def cmd_sample(argv: Sequence[str]) -> int:
 
 
 def _load(source: str, which: str) -> Any:
-    """Model and tokenizer to sample from; an unreadable export file is a user error."""
+    """Model and tokenizer to sample from; an unreadable export file is a user error (the
+    checks before loading name what is wrong; what the library still finds is wrapped)."""
+    from isotrain.train.data.sources import DataError
     from isotrain.train.weights.load import load_with_tokenizer
 
     if not source.endswith(".safetensors"):
@@ -90,6 +92,8 @@ def _load(source: str, which: str) -> Any:
 
     try:
         return load_with_tokenizer(source, which=which)
+    except (DataError, ConfigError, FileNotFoundError):
+        raise
     except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(
