@@ -108,6 +108,15 @@ ST_CASES = [
      _raw(lambda h, b: struct.pack("<Q", len(h) + len(b) + 1) + h + b),
      f"not a readable safetensors file: header length <size+1-8> is past the end of the file "
      f"(<size> bytes); {ST_FIX}"),
+    ("empty-file", _raw(lambda h, b: b""),
+     f"not a readable safetensors file: 0 bytes, shorter than the 8-byte header length; {ST_FIX}"),
+    ("bytes-after-the-last-tensor", _raw(lambda h, b: struct.pack("<Q", len(h)) + h + b + b"x"),
+     f"not a readable safetensors file: 1 bytes after the last tensor; {ST_FIX}"),
+    ("dtype-unknown", _tensor("ln_f.weight", dtype="F128"),
+     f"not a readable safetensors file: tensor 'ln_f.weight' has dtype 'F128', which isotrain "
+     f"does not read; {ST_FIX}"),
+    ("weights-of-integers", _tensor("ln_f.weight", dtype="I32"),
+     "tensor 'ln_f.weight' is I32; weights must be one of F16, BF16, F32, F64"),
     ("header-not-json", _raw(lambda h, b: struct.pack("<Q", len(h)) + b"{x" + h[2:] + b),
      "not a readable safetensors file: its header is not JSON (Expecting property name enclosed "
      f"in double quotes: line 1 column 2 (char 1)); {ST_FIX}"),
@@ -180,6 +189,15 @@ def _hf_index(folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
+def _hf_index_to(shard: str) -> Callable[[Path], None]:
+    def make(folder: Path) -> None:
+        (folder / "model.safetensors").rename(folder.parent / "model.safetensors")
+        index = {"weight_map": {"transformer.wte.weight": shard}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return make
+
+
 def _hf_header(folder: Path) -> None:
     path = folder / "model.safetensors"
     path.write_bytes(struct.pack("<Q", 2**62) + path.read_bytes()[8:])
@@ -208,6 +226,8 @@ HF_CASES = [
     ("index-weight_map-a-list", _hf_index,
      f"/model.safetensors.index.json: its weight_map is not an object of tensor -> file names; "
      f"{HF_FIX}"),
+    ("index-shard-outside-the-folder", _hf_index_to("../model.safetensors"),
+     "/model.safetensors.index.json: shard names must be plain file names in its folder"),
     ("weights-header-length-2**62", _hf_header,
      "/model.safetensors: not a readable safetensors file: header length "
      f"4,611,686,018,427,387,904 is past the end of the file (<size> bytes); {ST_FIX}"),

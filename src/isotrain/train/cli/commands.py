@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -32,15 +33,17 @@ def _write_failed(target: object, reason: str, code: int | None) -> WriteError:
     )
 
 
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO)
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # only writes get these
 
 
 def _is_write(e: OSError, folder: Path) -> bool:
     """A write into `folder` failed (not a missing input, not a read elsewhere)."""
-    if e.filename is not None:
-        path = Path(e.filename).resolve()
-        return path == folder.resolve() or folder.resolve() in path.parents
-    return e.errno in _WRITE_ERRNOS or (type(e) is OSError and e.errno is None)  # numpy's
+    if e.errno in _WRITE_ERRNOS or (type(e) is OSError and e.errno is None):  # None: numpy's
+        return True
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EIO) or e.filename is None:
+        return False
+    path, root = Path(os.fsdecode(e.filename)).resolve(), folder.resolve()
+    return path == root or root in path.parents
 
 
 @contextlib.contextmanager

@@ -166,7 +166,7 @@ def gpt2_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
         state = GPT(cfg).state_dict()
     out = {}
     for ours, theirs, transposed in _pairs(cfg.n_layer):
-        # a bias-free model exports zero biases, as long as the weight's output size
+        # a bias-free model exports zero biases, sized as the weight's output
         held = state[ours] if ours in state else _bias_like(ours, state)
         out[theirs] = tuple(held.shape)[::-1] if transposed else tuple(held.shape)
     out["lm_head.weight"] = out["transformer.wte.weight"]
