@@ -174,6 +174,16 @@ def test_a_full_disk_or_read_only_folder_is_one_line_and_leaves_nothing(
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_failed_prepare_over_prepared_data_leaves_that_data_whole(tmp_path, capsys) -> None:
+    argv = ["prepare", "--input", str(_corpus(tmp_path / "in")), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--no-progress"]) == 0
+    before = _hashes(tmp_path / "out")
+    with _disk_full_at(4096):
+        assert main([*argv, "--no-progress", "--overwrite"]) == 1
+    assert "Try to free some space" in capsys.readouterr().err
+    assert _hashes(tmp_path / "out") == before  # old token files and meta.json, no temporaries
+
+
 # ------------------------------------------------------------- odd but valid JSONL records
 def _jsonl(tmp_path: Path, odd: str, at: int = 3) -> Path:
     lines = [json.dumps({"text": f"record {i}: " + TEXT[:200]}) for i in range(40)]
