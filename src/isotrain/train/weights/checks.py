@@ -19,13 +19,9 @@ import torch
 from isotrain.train.config import RULES, ModelConfig
 from isotrain.train.fields import check_value, coerce, hints
 from isotrain.train.model.gpt import GPT
-from isotrain.train.weights.header import FLOAT_DTYPES, TensorEntry, WeightsFileError
+from isotrain.train.weights.header import FLOAT_DTYPES, TensorEntry, WeightsFileError, json_kind
 
 __all__ = ["check_tensors", "isotrain_shapes", "model_config"]
-
-
-def _kind(value: Any) -> str:
-    return {list: "list", str: "string", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _shown(value: Any) -> str:
@@ -41,7 +37,7 @@ def model_config(
     keys, types, ranges, d_model divisible by n_head. `names`: the file's own key names."""
     names = names or {}
     if not isinstance(raw, dict):
-        raise WeightsFileError(f"{source}: the model config is a JSON {_kind(raw)}; {fix}")
+        raise WeightsFileError(f"{source}: the model config is a JSON {json_kind(raw)}; {fix}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(raw) - fields)
     if unknown:

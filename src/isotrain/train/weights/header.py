@@ -20,7 +20,14 @@ from typing import Any
 
 from isotrain.train.data.sources import DataError
 
-__all__ = ["DTYPE_BYTES", "SafetensorsHeader", "TensorEntry", "WeightsFileError", "read_header"]
+__all__ = [
+    "DTYPE_BYTES",
+    "SafetensorsHeader",
+    "TensorEntry",
+    "WeightsFileError",
+    "json_kind",
+    "read_header",
+]
 
 MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
 # Bytes per element of each dtype the format names (sub-byte floats are not supported here).
@@ -53,6 +60,12 @@ class SafetensorsHeader:
     path: Path
     tensors: dict[str, TensorEntry]
     metadata: dict[str, str]
+
+
+def json_kind(value: Any) -> str:
+    """What JSON calls `value`'s type, for messages: object, list, string, number, null."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
 
 
 def _bad(path: Path, what: str) -> WeightsFileError:
@@ -129,7 +142,7 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     except OSError as e:
         raise _bad(p, f"cannot read it ({e.strerror or e})") from None
     if not isinstance(raw, dict):
-        raise _bad(p, f"its header is a JSON {type(raw).__name__}, not an object")
+        raise _bad(p, f"its header is a JSON {json_kind(raw)}, not an object")
     meta = raw.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _bad(p, "its __metadata__ is not an object of strings")

@@ -26,7 +26,12 @@ from isotrain.train.model.hf import (
     gpt2_shapes,
 )
 from isotrain.train.weights.checks import check_tensors, model_config
-from isotrain.train.weights.header import SafetensorsHeader, WeightsFileError, read_header
+from isotrain.train.weights.header import (
+    SafetensorsHeader,
+    WeightsFileError,
+    json_kind,
+    read_header,
+)
 
 __all__ = ["read_hf_folder"]
 
@@ -75,7 +80,7 @@ def _config(root: Path) -> tuple[ModelConfig, list[SafetensorsHeader]]:
     path = root / "config.json"
     raw = _json(path)
     if not isinstance(raw, dict):
-        raise WeightsFileError(f"{path}: a JSON {type(raw).__name__}, not an object; {_FIX}")
+        raise WeightsFileError(f"{path}: a JSON {json_kind(raw)}, not an object; {_FIX}")
     cfg = model_config(gpt2_fields(root, raw), str(path), fix=_FIX, names=_THEIRS)
     check_gpt2_settings(root, raw, cfg)
     headers = _headers(root)

@@ -79,6 +79,8 @@ def _tokenizer(meta: dict[str, str], cfg: ModelConfig, source: str) -> Tokenizer
     value = meta.get("isotrain_tokenizer")
     try:
         tok = from_metadata(value, cfg.vocab_size)
+    except ImportError:  # tokenizers is not installed: the CLI names the extra
+        raise
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise WeightsFileError(
