@@ -348,3 +348,37 @@ def test_the_good_files_load_and_the_checks_above_can_see_a_model_built(
         assert code == 0, err
         assert len(built) == 1 and 0 < built.pop() <= _size(where)
         assert len(peaks) == 1 and peaks.pop() < _size(where) + SLACK
+
+
+@pytest.mark.parametrize("kind", ["export", "hf"])
+def test_a_file_cut_short_after_its_check_is_still_one_line(
+    made, tmp_path, monkeypatch, capsys, kind
+) -> None:
+    """Between isotrain's check and the library's read the file is cut short (another
+    process rewriting it): what the library finds then is one line as well."""
+    import isotrain.train.weights.hf_folder as hf_folder
+    import isotrain.train.weights.load as load
+
+    target = tmp_path / ("hf" if kind == "hf" else "m.safetensors")
+    weights = target / "model.safetensors" if kind == "hf" else target
+    module = hf_folder if kind == "hf" else load
+    real = module.read_header
+
+    def read_then_cut(path):
+        header = real(path)
+        Path(path).write_bytes(Path(path).read_bytes()[:-100])
+        return header
+
+    monkeypatch.setattr(module, "read_header", read_then_cut)
+    expected = (
+        f"{weights}: not a readable safetensors file: Error while deserializing header: "
+        f"incomplete metadata, file not fully covered (did it change while it was read?); "
+        f"{ST_FIX}\n"
+    )
+    for argv, head in _commands(f"hf:{target}" if kind == "hf" else str(target), made["run"]):
+        if kind == "hf":  # a fresh copy for each command: the last one was cut
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.copytree(made["hf"], target)
+        else:
+            shutil.copy(made["export"], target)
+        assert _run(argv, capsys) == (2, head + expected), argv

@@ -10,10 +10,11 @@ until its model config has been checked against these shapes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "TensorEntry",
     "WeightsFileError",
     "json_kind",
+    "library_errors",
     "read_header",
 ]
 
@@ -149,3 +151,16 @@ def read_header(path: str | Path) -> SafetensorsHeader:
     tensors = {name: _entry(p, name, value, data_size) for name, value in raw.items()}
     _check_layout(p, tensors, data_size)
     return SafetensorsHeader(p, tensors, meta)
+
+
+@contextlib.contextmanager
+def library_errors(path: str | Path) -> Iterator[None]:
+    """What the safetensors library still finds when it reads `path` after these checks (the
+    file changed since, an I/O error) as one line too."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise _bad(Path(path), f"{reason} (did it change while it was read?)") from None

@@ -30,6 +30,7 @@ from isotrain.train.weights.header import (
     SafetensorsHeader,
     WeightsFileError,
     json_kind,
+    library_errors,
     read_header,
 )
 
@@ -113,7 +114,8 @@ def read_hf_folder(folder: str | Path) -> tuple[GPT, Tokenizer | None]:
     tok = folder_tokenizer(root)
     state: dict[str, torch.Tensor] = {}
     for h in headers:
-        state.update({k: v.float() for k, v in load_file(str(h.path)).items()})
+        with library_errors(h.path):
+            state.update({k: v.float() for k, v in load_file(str(h.path)).items()})
     model = GPT(cfg)
     model.load_state_dict(from_gpt2_state(state, cfg, where=str(root)))
     return model, tok

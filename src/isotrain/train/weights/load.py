@@ -13,7 +13,12 @@ from isotrain.train.model.gpt import GPT
 from isotrain.train.rundir.sharded import load_full_model
 from isotrain.train.rundir.snapshot import load_snapshot
 from isotrain.train.weights.checks import check_tensors, isotrain_shapes, model_config
-from isotrain.train.weights.header import SafetensorsHeader, WeightsFileError, read_header
+from isotrain.train.weights.header import (
+    SafetensorsHeader,
+    WeightsFileError,
+    library_errors,
+    read_header,
+)
 from isotrain.train.weights.hf_folder import read_hf_folder
 
 __all__ = [
@@ -126,5 +131,6 @@ def read_safetensors(path: str | Path) -> tuple[GPT, Tokenizer | None]:
     cfg = _export_config(header, str(path))
     tok = _tokenizer(header.metadata, cfg, str(path))
     model = build_model(cfg)
-    safetensors_module().load_model(model, str(p))
+    with library_errors(p):
+        safetensors_module().load_model(model, str(p))
     return model, tok
