@@ -146,7 +146,7 @@ def _jsonl_record(line: bytes, path: Path, pos: int) -> Any:
         ) from None
 
 
-def _jsonl_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
+def _jsonl_pieces(part: Part, field: str, *, warn: bool) -> Iterator[tuple[str, int]]:
     replaced = 0
     with part.path.open("rb") as f:
         f.seek(part.start)
@@ -158,7 +158,7 @@ def _jsonl_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
                 replaced += n
                 yield text, len(line)
             pos += len(line)
-    if replaced:
+    if replaced and warn:
         log.warning(
             "%s: %d lone surrogate escapes (text UTF-8 cannot hold) replaced by U+FFFD",
             part.path,
@@ -172,10 +172,10 @@ def _rows_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
         yield _record_text(rows[i], field, f"{part.path} row {i}")[0], 1
 
 
-def pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
-    """(text, progress units) of a part, whatever its format."""
+def pieces(part: Part, field: str, *, warn: bool = True) -> Iterator[tuple[str, int]]:
+    """(text, progress units) of a part, whatever its format (`warn`: say what was replaced)."""
     if part.path.suffix == ".jsonl":
-        return _jsonl_pieces(part, field)
+        return _jsonl_pieces(part, field, warn=warn)
     if part.path.suffix in DATASETS_SUFFIXES:
         return _rows_pieces(part, field)
     return _text_pieces(part)
@@ -187,7 +187,7 @@ def _bpe_text(
     """Training text for BPE merges: the train parts, up to `budget` bytes."""
     seen = 0
     for part in (p for p in parts if p.split == "train"):
-        for text, n in pieces(part, field):
+        for text, n in pieces(part, field, warn=False):  # the tokenize pass says it once
             advance(n)
             yield text
             seen += len(text)
