@@ -16,8 +16,8 @@ from isotrain.train.cli.main import main  # noqa: E402
 from isotrain.train.data.sources import DataError  # noqa: E402
 from isotrain.train.data.tokenizer import HFTokenizer, text_chunks  # noqa: E402
 from isotrain.train.model.gpt import GPT, GPTConfig  # noqa: E402
-from isotrain.train.model.hf import read_hf_folder  # noqa: E402
 from isotrain.train.weights.export import export_hf  # noqa: E402
+from isotrain.train.weights.hf_folder import read_hf_folder  # noqa: E402
 from isotrain.train.weights.load import read_safetensors  # noqa: E402
 
 TEXT = "def f(x):\n    return x + 1  # é ✓\n\nclass A:\n    pass\n" * 30

@@ -243,13 +243,12 @@ OTHER_CASES = [
      "isotrain sample: error: <dir>: no snapshot found (looked in <dir>/snapshots); try the "
      "--out-dir of a run"),
     ("sample-truncated-export", ["sample", "--run", "<truncated>"],
-     "isotrain sample: error: <truncated>: not a readable isotrain export (Error while "
-     "deserializing header: incomplete metadata, file not fully covered); try a file written "
-     "by isotrain export"),
+     "isotrain sample: error: <truncated>: not a readable safetensors file: tensor 'w' lies at "
+     "bytes 0..12, outside the data (7 bytes); try a file written by isotrain export or "
+     "save_pretrained(..., safe_serialization=True)"),
     ("sample-foreign-export", ["sample", "--run", "<foreign>"],
-     "isotrain sample: error: <foreign>: not a readable isotrain export (<foreign>: not an "
-     "isotrain export (no isotrain_model_config metadata)); try a file written by isotrain "
-     "export"),
+     "isotrain sample: error: <foreign>: not an isotrain export (no isotrain_model_config "
+     "metadata); try a file written by isotrain export"),
 ]  # fmt: skip
 
 

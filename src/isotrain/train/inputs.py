@@ -60,7 +60,9 @@ def read_init(spec: str) -> InitSource:
     try:
         model, tok = load_with_tokenizer(spec)
     except (ValueError, SnapshotError) as e:
-        raise ConfigError(f"--init-from {spec}: {e}") from e
+        text, path = str(e), Path(spec.removeprefix("hf:")).expanduser()
+        named = text.startswith((str(path), str(path.parent)))  # it names the path already
+        raise ConfigError(f"--init-from {text}" if named else f"--init-from {spec}: {text}") from e
     log.info("--init-from %s: %s parameters", spec, f"{model.num_params():,}")
     return InitSource(spec, model, tok)
 

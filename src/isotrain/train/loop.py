@@ -61,10 +61,16 @@ class TrainingStopped(Exception):
         self.signum, self.step = signum, step
 
 
-def setup(cfg: TrainConfig) -> Run:
-    """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule."""
+def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+    """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule.
+
+    With `lock`, the run directory's lock is taken first (before the tokenizer or anything
+    else is written there) and held until that stack closes.
+    """
     validate(cfg)
     info = init_distributed(cfg.parallel.mode, cfg.device)
+    if lock is not None:
+        lock.enter_context(lock_run(cfg.out_dir, info))
     cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
     cfg, precision = resolve_precision(cfg, info)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
@@ -175,15 +181,11 @@ def _loss_line(run: Run, val: float, baseline: float) -> str:
 
 
 def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
-    """Setup, then resume when the run directory holds a snapshot (or `--resume` asks).
-
-    With `lock`, the run directory's lock is taken first and held until that stack closes.
-    """
+    """Setup (under `lock`, see `setup`), then resume when the run directory holds a
+    snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
-    run = setup(cfg)
-    if lock is not None:
-        lock.enter_context(lock_run(cfg.out_dir, run.dist))
+    run = setup(cfg, lock=lock)
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(

@@ -2,17 +2,67 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
+import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from isotrain.train.cli.args import RunArgs, check_output, parse, run_of
 from isotrain.train.config import ConfigError
+from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample"]
+
+
+def _write_failed(target: object, reason: str, code: int | None) -> WriteError:
+    """What `train` says of a failed write, for the other commands: exit 1, one line."""
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = "make it writable or choose another --out"
+    else:
+        space = (None, errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        fix = "free some space" if code in space else "fix that"
+    return WriteError(
+        f"could not write {target}: {reason}; nothing half-written was left. Try to {fix}, "
+        "then run the same command again"
+    )
+
+
+_WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # only writes get these
+
+
+def _is_write(e: OSError, folder: Path) -> bool:
+    """A write into `folder` failed (not a missing input, not a read elsewhere)."""
+    if e.errno in _WRITE_ERRNOS or (type(e) is OSError and e.errno is None):  # None: numpy's
+        return True
+    if e.errno not in (errno.EACCES, errno.EPERM, errno.EIO) or e.filename is None:
+        return False
+    path, root = Path(os.fsdecode(e.filename)).resolve(), folder.resolve()
+    return path == root or root in path.parents
+
+
+@contextlib.contextmanager
+def _writing(target: Path, *, folder: Path | None = None) -> Iterator[None]:
+    """A failed write into `folder` (default `target`) under the block, such as a read-only
+    folder or a full disk, as one line; the command removes what it left half-written."""
+    try:
+        yield
+    except OSError as e:
+        if not _is_write(e, folder or target):
+            raise
+        reason = e.strerror or f"{e} (is the disk full?)"  # numpy: "N requested and M written"
+        raise _write_failed(e.filename or target, reason, e.errno) from None
+    except Exception as e:
+        # safetensors: "Error while serializing: I/O error: REASON (os error N) at path ..."
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+        if type(e).__name__ != "SafetensorError" or found is None:
+            raise
+        raise _write_failed(target, found[1], int(found[2])) from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +131,9 @@ def cmd_sample(argv: Sequence[str]) -> int:
 
 
 def _load(source: str, which: str) -> Any:
-    """Model and tokenizer to sample from; an unreadable export file is a user error."""
+    """Model and tokenizer to sample from; an unreadable export file is a user error (the
+    checks before loading name what is wrong; what the library still finds is wrapped)."""
+    from isotrain.train.data.sources import DataError
     from isotrain.train.weights.load import load_with_tokenizer
 
     if not source.endswith(".safetensors"):
@@ -90,6 +142,8 @@ def _load(source: str, which: str) -> Any:
 
     try:
         return load_with_tokenizer(source, which=which)
+    except (DataError, ConfigError, FileNotFoundError):
+        raise
     except (SafetensorError, ValueError, TypeError, KeyError, RuntimeError, OSError) as e:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(
@@ -112,8 +166,11 @@ def cmd_plot(argv: Sequence[str]) -> int:
 
     args = parse(PlotArgs, argv, "isotrain plot")
     run = run_of(args, "isotrain plot")
-    check_output("--out", Path(args.out or run), is_dir=True)
-    for path in plot_run(run, args.out):
+    out = Path(args.out or run)
+    check_output("--out", out, is_dir=True)
+    with _writing(out):
+        written = plot_run(run, args.out)
+    for path in written:
         sys.stdout.write(f"wrote {path}\n")
     return 0
 
@@ -159,7 +216,8 @@ def cmd_export(argv: Sequence[str]) -> int:
     hf = a.format == "hf"
     target = Path(a.out or (f"{run}/hf" if hf else f"{run}/model.safetensors"))
     check_output("--out", target, is_dir=hf)
-    out, snap = export_run(run, target, which=a.which, fmt=a.format)
+    with _writing(target, folder=target if hf else target.parent):
+        out, snap = export_run(run, target, which=a.which, fmt=a.format)
     sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")
     return 0
 
@@ -194,18 +252,19 @@ def cmd_prepare(argv: Sequence[str]) -> int:
     from isotrain.train.data.prepare import prepare
 
     a = parse(PrepareArgs, argv, "isotrain prepare")
-    meta = prepare(
-        list(a.input),
-        a.out,
-        val_input=a.val_input,
-        tokenizer=a.tokenizer,
-        vocab_size=a.vocab_size,
-        val_fraction=a.val_fraction,
-        text_field=a.text_field,
-        bpe_train_bytes=a.bpe_train_bytes,
-        overwrite=a.overwrite,
-        progress=a.progress,
-    )
+    with _writing(Path(a.out)):
+        meta = prepare(
+            list(a.input),
+            a.out,
+            val_input=a.val_input,
+            tokenizer=a.tokenizer,
+            vocab_size=a.vocab_size,
+            val_fraction=a.val_fraction,
+            text_field=a.text_field,
+            bpe_train_bytes=a.bpe_train_bytes,
+            overwrite=a.overwrite,
+            progress=a.progress,
+        )
     splits = meta["splits"]
     sys.stdout.write(
         f"wrote {a.out}: {splits['train']['tokens']:,} train / {splits['val']['tokens']:,} val "

@@ -12,8 +12,10 @@ installed. Records are separated by a blank line.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,36 +116,66 @@ def _text_pieces(part: Part) -> Iterator[tuple[str, int]]:
         yield tail, 0
 
 
-def _record_text(record: Any, field: str, where: str) -> str:
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # JSON can escape them; UTF-8 cannot hold them
+
+
+def _record_text(record: Any, field: str, where: str) -> tuple[str, int]:
+    """The record's text and a blank line, with lone surrogates (valid JSON escapes that no
+    UTF-8 can hold) replaced by U+FFFD; and how many were replaced."""
     if not isinstance(record, dict) or not isinstance(record.get(field), str):
         raise DataError(f"{where}: no text field {field!r}; pass --text-field NAME")
-    return str(record[field]) + "\n\n"
+    text, replaced = _LONE_SURROGATE.subn("\ufffd", record[field])
+    return text + "\n\n", replaced
 
 
-def _jsonl_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
+def _line_number(path: Path, pos: int) -> int:
+    """The number of the line starting at byte `pos` (counted only when a line is refused)."""
+    with path.open("rb") as f:
+        return 1 + sum(f.read(min(BLOCK, pos - at)).count(b"\n") for at in range(0, pos, BLOCK))
+
+
+def _jsonl_record(line: bytes, path: Path, pos: int) -> Any:
+    """One JSONL record, or a DataError naming the file and line."""
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError) as e:  # RecursionError: nested thousands deep
+        why = "it is nested too deep to read" if isinstance(e, RecursionError) else str(e)
+        raise DataError(
+            f"{path} line {_line_number(path, pos)}: not a JSON record ({why}); fix or drop "
+            "that line"
+        ) from None
+
+
+def _jsonl_pieces(part: Part, field: str, *, warn: bool) -> Iterator[tuple[str, int]]:
+    replaced = 0
     with part.path.open("rb") as f:
         f.seek(part.start)
         pos = part.start
         while pos < part.end and (line := f.readline()):
-            pos += len(line)
             if line.strip():
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{part.path}: a line is not JSON ({e})") from e
-                yield _record_text(record, field, str(part.path)), len(line)
+                record = _jsonl_record(line, part.path, pos)
+                text, n = _record_text(record, field, str(part.path))
+                replaced += n
+                yield text, len(line)
+            pos += len(line)
+    if replaced and warn:
+        log.warning(
+            "%s: %d lone surrogate escapes (text UTF-8 cannot hold) replaced by U+FFFD",
+            part.path,
+            replaced,
+        )
 
 
 def _rows_pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
     rows = _datasets_rows(part.path)
     for i in range(part.start, part.end):
-        yield _record_text(rows[i], field, f"{part.path} row {i}"), 1
+        yield _record_text(rows[i], field, f"{part.path} row {i}")[0], 1
 
 
-def pieces(part: Part, field: str) -> Iterator[tuple[str, int]]:
-    """(text, progress units) of a part, whatever its format."""
+def pieces(part: Part, field: str, *, warn: bool = True) -> Iterator[tuple[str, int]]:
+    """(text, progress units) of a part, whatever its format (`warn`: say what was replaced)."""
     if part.path.suffix == ".jsonl":
-        return _jsonl_pieces(part, field)
+        return _jsonl_pieces(part, field, warn=warn)
     if part.path.suffix in DATASETS_SUFFIXES:
         return _rows_pieces(part, field)
     return _text_pieces(part)
@@ -155,7 +187,7 @@ def _bpe_text(
     """Training text for BPE merges: the train parts, up to `budget` bytes."""
     seen = 0
     for part in (p for p in parts if p.split == "train"):
-        for text, n in pieces(part, field):
+        for text, n in pieces(part, field, warn=False):  # the tokenize pass says it once
             advance(n)
             yield text
             seen += len(text)
@@ -258,12 +290,25 @@ def prepare(
     files = [f for spec in inputs for f in find_files(spec, "--input")]
     val_files = find_files(val_input, "--val-input") if val_input else []
     parts = plan_parts(files, val_files, val_fraction)
-    root.mkdir(parents=True, exist_ok=True)
-    with _progress(progress) as bar:
-        tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
-        task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
-        splits = _write_splits(parts, tok, root, text_field, lambda n: bar.advance(task, n))
-    return _publish(root, tok, splits)
+    created = not root.exists()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with _progress(progress) as bar:
+            tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
+            task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
+            splits = _write_splits(parts, tok, root, text_field, lambda n: bar.advance(task, n))
+        return _publish(root, tok, splits)
+    except BaseException:  # a full disk, a bad record, Ctrl-C: no temporary file stays
+        for name in _TEMPORARIES:
+            with contextlib.suppress(OSError):
+                (root / name).unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                root.rmdir()  # only while empty
+        raise
+
+
+_TEMPORARIES = (".train.bin.tmp", ".val.bin.tmp", ".tokenizer.json.tmp", f".{META_FILE}.tmp")
 
 
 def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -274,12 +319,14 @@ def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> d
             f"the {' and '.join(empty)} split came out empty; give more text, a larger "
             "--val-fraction, or --val-input"
         )
+    (root / META_FILE).unlink(missing_ok=True)  # half published: no meta.json, never a stale one
     for s in splits:
         (root / f".{s}.bin.tmp").replace(root / f"{s}.bin")
     name = "bytes"
     if isinstance(tok, HFTokenizer):
         name = "tokenizer.json"
-        tok.save(root / name)
+        tok.save(root / ".tokenizer.json.tmp")
+        (root / ".tokenizer.json.tmp").replace(root / name)
     meta = {
         "format": "isotrain-tokens",
         "version": 1,

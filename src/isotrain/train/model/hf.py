@@ -10,7 +10,6 @@ without biases exports zero biases, which computes the same function. Nothing he
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,17 @@ from isotrain.train.data.sources import DataError
 from isotrain.train.data.tokenizer import HFTokenizer, Tokenizer, tokenizers_module
 from isotrain.train.model.gpt import GPT, GPTConfig
 
-__all__ = ["from_gpt2_state", "gpt2_config", "read_hf_folder", "to_gpt2_state"]
+__all__ = [
+    "GPT2_NAMES",
+    "check_gpt2_settings",
+    "folder_tokenizer",
+    "from_gpt2_state",
+    "gpt2_config",
+    "gpt2_fields",
+    "gpt2_name",
+    "gpt2_shapes",
+    "to_gpt2_state",
+]
 
 # (isotrain name, GPT-2 name, stored transposed by Conv1D) for each block's parameters
 _BLOCK = (
@@ -58,7 +67,7 @@ def _pairs(n_layer: int) -> list[tuple[str, str, bool]]:
 def _bias_like(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
     """The zero bias a bias-free layer stands for (its size is the weight's output size)."""
     weight = state[name.removesuffix("bias") + "weight"]
-    return torch.zeros(weight.shape[0], dtype=weight.dtype)
+    return torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
 
 
 def to_gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
@@ -103,15 +112,36 @@ def _refuse(folder: Path, what: str) -> DataError:
     return DataError(f"{folder}: {what}; isotrain reads GPT-2-architecture checkpoints only")
 
 
-def _model_config(folder: Path, raw: dict[str, Any]) -> GPTConfig:
-    """The GPTConfig of a GPT-2 config.json, or a DataError naming what cannot map."""
+# GPTConfig field -> its name in GPT-2's config.json (each one required there)
+GPT2_NAMES = {
+    "n_layer": "n_layer",
+    "n_head": "n_head",
+    "d_model": "n_embd",
+    "block_size": "n_positions",
+    "vocab_size": "vocab_size",
+}
+
+
+def gpt2_fields(folder: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """The GPTConfig fields a GPT-2 config.json names, as written there (the caller checks
+    their types and ranges); a DataError when it is not GPT-2 or lacks one."""
     if raw.get("model_type") != "gpt2":
         raise _refuse(folder, f"model_type is {raw.get('model_type')!r}, not 'gpt2'")
+    missing = [theirs for theirs in GPT2_NAMES.values() if theirs not in raw]
+    if missing:
+        raise _refuse(folder, "config.json has no " + ", ".join(missing))
     act = raw.get("activation_function", "gelu_new")
+    fields = {ours: raw[theirs] for ours, theirs in GPT2_NAMES.items()}
+    return {**fields, "bias": True, "gelu": "exact" if act == "gelu" else "tanh"}
+
+
+def check_gpt2_settings(folder: Path, raw: dict[str, Any], cfg: GPTConfig) -> None:
+    """Refuse, by name, every GPT-2 setting isotrain's GPT does not compute the same way."""
+    act, eps = raw.get("activation_function", "gelu_new"), raw.get("layer_norm_epsilon", 1e-5)
     checks = {
         f"activation_function {act!r}": act == "gelu" or act in _TANH,
-        f"n_inner {raw.get('n_inner')}": raw.get("n_inner") in (None, 4 * raw["n_embd"]),
-        "layer_norm_epsilon": math.isclose(raw.get("layer_norm_epsilon", 1e-5), 1e-5),
+        f"n_inner {raw.get('n_inner')!r}": raw.get("n_inner") in (None, 4 * cfg.d_model),
+        f"layer_norm_epsilon {eps!r}": type(eps) in (int, float) and math.isclose(eps, 1e-5),
         "scale_attn_weights false": raw.get("scale_attn_weights", True),
         "scale_attn_by_inverse_layer_idx": not raw.get("scale_attn_by_inverse_layer_idx"),
         "untied lm_head": raw.get("tie_word_embeddings", True),
@@ -120,26 +150,34 @@ def _model_config(folder: Path, raw: dict[str, Any]) -> GPTConfig:
     bad = [name for name, ok in checks.items() if not ok]
     if bad:
         raise _refuse(folder, "unsupported settings: " + ", ".join(bad))
-    return GPTConfig(
-        n_layer=int(raw["n_layer"]),
-        n_head=int(raw["n_head"]),
-        d_model=int(raw["n_embd"]),
-        block_size=int(raw["n_positions"]),
-        vocab_size=int(raw["vocab_size"]),
-        bias=True,
-        gelu="exact" if act == "gelu" else "tanh",
-    )
+
+
+def gpt2_name(key: str) -> str | None:
+    """A GPT-2 tensor name with its `transformer.` prefix; None for the causal-mask buffers."""
+    if key.endswith(_BUFFERS):
+        return None
+    return key if key.startswith(("transformer.", "lm_head.")) else f"transformer.{key}"
+
+
+def gpt2_shapes(cfg: GPTConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a GPT-2 checkpoint of `cfg` holds (lm_head: wte's), computed
+    on the meta device, so no memory is taken whatever `cfg` asks for."""
+    with torch.device("meta"):
+        state = GPT(cfg).state_dict()
+    out = {}
+    for ours, theirs, transposed in _pairs(cfg.n_layer):
+        # a bias-free model exports zero biases, sized as the weight's output
+        held = state[ours] if ours in state else _bias_like(ours, state)
+        out[theirs] = tuple(held.shape)[::-1] if transposed else tuple(held.shape)
+    out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
 
 
 def from_gpt2_state(
     state: dict[str, torch.Tensor], cfg: GPTConfig, *, where: str = "checkpoint"
 ) -> dict[str, torch.Tensor]:
     """isotrain's state dict from GPT-2's (with or without the `transformer.` prefix)."""
-    theirs = {
-        (k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}"): v
-        for k, v in state.items()
-        if not k.endswith(_BUFFERS)
-    }
+    theirs = {name: v for k, v in state.items() if (name := gpt2_name(k)) is not None}
     out, used = {}, set()
     for ours, name, transposed in _pairs(cfg.n_layer):
         if name not in theirs:
@@ -156,25 +194,7 @@ def from_gpt2_state(
     return out
 
 
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards model.safetensors.index.json lists (never pickle)."""
-    from safetensors.torch import load_file
-
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        return dict(load_file(str(single)))
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        if any(Path(f).name != f for f in files):
-            raise DataError(f"{index}: shard names must be plain file names in {folder}")
-        return {k: v for f in files for k, v in load_file(str(folder / f)).items()}
-    raise FileNotFoundError(
-        f"{folder}: no model.safetensors; isotrain reads safetensors only (never pickled "
-        "pytorch_model.bin): save it with save_pretrained(folder, safe_serialization=True)"
-    )
-
-
-def _folder_tokenizer(folder: Path) -> Tokenizer | None:
+def folder_tokenizer(folder: Path) -> Tokenizer | None:
     """tokenizer.json, or GPT-2's vocab.json + merges.txt, or None when the folder has neither."""
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer.from_file(folder / "tokenizer.json")
@@ -182,19 +202,12 @@ def _folder_tokenizer(folder: Path) -> Tokenizer | None:
     if not (vocab.is_file() and merges.is_file()):
         return None
     tk = tokenizers_module()
-    tok = tk.Tokenizer(tk.models.BPE.from_file(str(vocab), str(merges)))
+    try:
+        tok = tk.Tokenizer(tk.models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        raise DataError(
+            f"{folder}: vocab.json + merges.txt are not a BPE ({e}); save the tokenizer again"
+        ) from None
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
     return HFTokenizer(tok, source=f"{folder} (vocab.json + merges.txt)")
-
-
-def read_hf_folder(folder: str | Path) -> tuple[GPT, Tokenizer | None]:
-    """The GPT (CPU, fp32) and tokenizer of a GPT-2 folder saved by transformers or export."""
-    root = Path(folder).expanduser()
-    if not (root / "config.json").is_file():
-        raise FileNotFoundError(f"hf:{folder}: no config.json there; is it a model folder?")
-    cfg = _model_config(root, json.loads((root / "config.json").read_text(encoding="utf-8")))
-    model = GPT(cfg)
-    state = {k: v.float() for k, v in _read_weights(root).items()}
-    model.load_state_dict(from_gpt2_state(state, cfg, where=str(root)))
-    return model, _folder_tokenizer(root)

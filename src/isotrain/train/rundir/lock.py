@@ -84,6 +84,7 @@ def _release(run_dir: Path, fd: int) -> None:
 def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
     """Hold `run_dir`'s lock for the block (rank 0 takes it; every rank learns the outcome)."""
     run_dir, fd, error = Path(run_dir), None, None
+    created = not run_dir.exists()  # removed again if the run stops before writing anything
     if info.is_main:
         try:
             fd = _acquire(run_dir)
@@ -98,3 +99,6 @@ def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
     finally:
         if fd is not None:
             _release(run_dir, fd)
+            if created:
+                with contextlib.suppress(OSError):  # only succeeds while it is empty
+                    run_dir.rmdir()

@@ -8,6 +8,7 @@ tokenizer.json). Every file gets the permissions of an ordinary file (0666 less 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -68,7 +69,7 @@ def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None 
     return _ordinary(out)
 
 
-def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path]:
+def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int, written: list[Path]) -> None:
     """tokenizer.json + tokenizer_config.json, or nothing (with a warning) for ids."""
     if isinstance(tok, HFTokenizer):
         text = tok.json
@@ -76,32 +77,43 @@ def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path
         text = byte_level_json()  # ids equal byte values: AutoTokenizer reads text as isotrain
     else:
         log.warning("%s: no tokenizer files: the run trained on ids of unknown text", folder)
-        return []
-    files = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
-    files[0].write_text(text, encoding="utf-8")
+        return
+    written.append(folder / "tokenizer.json")
+    written[-1].write_text(text, encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": block_size,
         "clean_up_tokenization_spaces": False,
     }
-    files[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return files
+    written.append(folder / "tokenizer_config.json")
+    written[-1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def export_hf(model: GPT, folder: str | Path, tokenizer: Tokenizer | None = None) -> Path:
-    """Write a folder transformers loads as GPT2LMHeadModel (and AutoTokenizer)."""
+    """Write a folder transformers loads as GPT2LMHeadModel (and AutoTokenizer); a failed
+    write (a full disk) removes what this call wrote, the folder too if it made it."""
     root = Path(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    weights = root / "model.safetensors"
-    safetensors_module().save_file(to_gpt2_state(model), str(weights), metadata={"format": "pt"})
-    config = root / "config.json"
-    config.write_text(json.dumps(gpt2_config(model.cfg), indent=2) + "\n", encoding="utf-8")
-    for path in [
-        weights,
-        config,
-        *_tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size),
-    ]:
-        _ordinary(path)
+    created = not root.exists()
+    written: list[Path] = []
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        written.append(root / "model.safetensors")
+        state = to_gpt2_state(model)
+        safetensors_module().save_file(state, str(written[-1]), metadata={"format": "pt"})
+        written.append(root / "config.json")
+        text = json.dumps(gpt2_config(model.cfg), indent=2) + "\n"
+        written[-1].write_text(text, encoding="utf-8")
+        _tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size, written)
+        for path in written:
+            _ordinary(path)
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        if created:
+            with contextlib.suppress(OSError):
+                root.rmdir()
+        raise
     return root
 
 

@@ -10,9 +10,16 @@ from typing import Any
 from isotrain.train.config import ModelConfig
 from isotrain.train.data.tokenizer import Tokenizer, from_metadata, run_tokenizer
 from isotrain.train.model.gpt import GPT
-from isotrain.train.model.hf import read_hf_folder
 from isotrain.train.rundir.sharded import load_full_model
 from isotrain.train.rundir.snapshot import load_snapshot
+from isotrain.train.weights.checks import check_tensors, isotrain_shapes, model_config
+from isotrain.train.weights.header import (
+    SafetensorsHeader,
+    WeightsFileError,
+    library_errors,
+    read_header,
+)
+from isotrain.train.weights.hf_folder import read_hf_folder
 
 __all__ = [
     "build_model",
@@ -23,6 +30,8 @@ __all__ = [
     "read_safetensors",
     "safetensors_module",
 ]
+
+_FIX = "try a file written by isotrain export"
 
 
 def build_model(cfg: ModelConfig) -> GPT:
@@ -70,20 +79,58 @@ def load_safetensors(path: str | Path) -> GPT:
     return read_safetensors(path)[0]
 
 
+def _tokenizer(meta: dict[str, str], cfg: ModelConfig, source: str) -> Tokenizer:
+    """The tokenizer an export's metadata records, checked: readable, fits the vocabulary."""
+    value = meta.get("isotrain_tokenizer")
+    try:
+        tok = from_metadata(value, cfg.vocab_size)
+    except ImportError:  # tokenizers is not installed: the CLI names the extra
+        raise
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightsFileError(
+            f"{source}: its isotrain_tokenizer metadata is not bytes, ids or a tokenizer's JSON "
+            f"({reason}); {_FIX}"
+        ) from None
+    if tok.vocab_size > cfg.vocab_size:
+        raise WeightsFileError(
+            f"{source}: its tokenizer has {tok.vocab_size} tokens, more than the model's "
+            f"vocab_size {cfg.vocab_size}; {_FIX}"
+        )
+    return tok
+
+
+def _export_config(header: SafetensorsHeader, source: str) -> ModelConfig:
+    """The checked model config of an isotrain export, matched against its tensors."""
+    try:
+        raw = json.loads(header.metadata["isotrain_model_config"])
+    except (ValueError, RecursionError) as e:
+        reason = "nested too deep" if isinstance(e, RecursionError) else str(e)
+        raise WeightsFileError(
+            f"{source}: its isotrain_model_config metadata is not JSON ({reason}); {_FIX}"
+        ) from None
+    cfg = model_config(raw, f"{source} (isotrain_model_config)", fix=_FIX)
+    check_tensors(
+        source, header.tensors, cfg, shapes=isotrain_shapes, ties=("wte.weight", "lm_head.weight")
+    )
+    return cfg
+
+
 def read_safetensors(path: str | Path) -> tuple[GPT, Tokenizer | None]:
     """The GPT (CPU) and tokenizer of an isotrain export; a GPT-2 `model.safetensors` with
-    config.json beside it is read as `hf:` its folder."""
-    from safetensors import safe_open
-
+    config.json beside it is read as `hf:` its folder. The header, config and shapes are
+    checked before the model is built (see `weights.checks`)."""
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    with safe_open(str(p), framework="pt") as f:
-        meta = f.metadata() or {}
-    if "isotrain_model_config" not in meta:
+    header = read_header(p)
+    if "isotrain_model_config" not in header.metadata:
         if (p.parent / "config.json").is_file():
             return read_hf_folder(p.parent)
-        raise ValueError(f"{path}: not an isotrain export (no isotrain_model_config metadata)")
-    model = build_model(ModelConfig(**json.loads(meta["isotrain_model_config"])))
-    safetensors_module().load_model(model, str(p))
-    return model, from_metadata(meta.get("isotrain_tokenizer"), model.cfg.vocab_size)
+        raise WeightsFileError(
+            f"{path}: not an isotrain export (no isotrain_model_config metadata); {_FIX}"
+        )
+    cfg = _export_config(header, str(path))
+    tok = _tokenizer(header.metadata, cfg, str(path))
+    model = build_model(cfg)
+    with library_errors(p):
+        safetensors_module().load_model(model, str(p))
+    return model, tok
