@@ -154,6 +154,7 @@ def _evaluate_and_record(
     val = evaluate(run)
     st = run.state
     st.last_val, st.best_val = val, min(st.best_val, val)
+    run.eval_step = st.step
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
     reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")

@@ -12,12 +12,13 @@ installed. Records are separated by a blank line.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -25,6 +26,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from isotrain.train.data.batches import token_dtype
 from isotrain.train.data.sources import META_FILE, DataError, find_files, is_val_file
 from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from isotrain.train.files import make_dir, new_file, replace_file
 
 __all__ = ["Part", "plan_parts", "prepare"]
 
@@ -171,10 +173,10 @@ def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
 
 
 class _Writer:
-    """Appends token ids of one split to its temporary file; counts tokens and text bytes."""
+    """Appends token ids of one split to its (fresh, temporary) file; counts tokens and bytes."""
 
-    def __init__(self, path: Path, dtype: np.dtype) -> None:
-        self.file, self.dtype = path.open("wb"), dtype
+    def __init__(self, file: BinaryIO, dtype: np.dtype) -> None:
+        self.file, self.dtype = file, dtype
         self.tokens = self.bytes = 0
 
     def write(self, tok: Tokenizer, texts: list[str]) -> None:
@@ -185,26 +187,22 @@ class _Writer:
 
 
 def _write_splits(
-    parts: list[Part], tok: Tokenizer, out: Path, field: str, advance: Callable[[int], None]
+    parts: list[Part],
+    tok: Tokenizer,
+    writers: dict[str, _Writer],
+    field: str,
+    advance: Callable[[int], None],
 ) -> dict[str, dict[str, Any]]:
-    """Tokenize every part into `.train.bin.tmp` / `.val.bin.tmp`, 16 pieces per batch."""
-    dtype = token_dtype(tok.vocab_size)
-    writers: dict[str, _Writer] = {}
-    try:
-        for s in ("train", "val"):
-            writers[s] = _Writer(out / f".{s}.bin.tmp", dtype)
-        for part in parts:
-            batch: list[str] = []
-            for text, n in pieces(part, field):
-                batch.append(text)
-                advance(n)
-                if len(batch) == 16:
-                    writers[part.split].write(tok, batch)
-                    batch = []
-            writers[part.split].write(tok, batch)
-    finally:
-        for w in writers.values():
-            w.file.close()
+    """Tokenize every part into its split's writer, 16 pieces per batch."""
+    for part in parts:
+        batch: list[str] = []
+        for text, n in pieces(part, field):
+            batch.append(text)
+            advance(n)
+            if len(batch) == 16:
+                writers[part.split].write(tok, batch)
+                batch = []
+        writers[part.split].write(tok, batch)
     return {
         s: {"file": f"{s}.bin", "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()
     }
@@ -258,24 +256,30 @@ def prepare(
     files = [f for spec in inputs for f in find_files(spec, "--input")]
     val_files = find_files(val_input, "--val-input") if val_input else []
     parts = plan_parts(files, val_files, val_fraction)
-    root.mkdir(parents=True, exist_ok=True)
-    with _progress(progress) as bar:
+    make_dir(root)
+    with _progress(progress) as bar, contextlib.ExitStack() as opened:
         tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
         task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
-        splits = _write_splits(parts, tok, root, text_field, lambda n: bar.advance(task, n))
+        dtype = token_dtype(tok.vocab_size)
+        # Fresh temporaries, renamed onto train.bin / val.bin only when both are complete.
+        writers = {s: _Writer(opened.enter_context(new_file(root / f"{s}.bin")), dtype)
+                   for s in ("train", "val")}  # fmt: skip
+        splits = _write_splits(parts, tok, writers, text_field, lambda n: bar.advance(task, n))
+        _check_splits(splits)
     return _publish(root, tok, splits)
 
 
-def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Rename the token files into place, then the tokenizer, then meta.json last."""
+def _check_splits(splits: dict[str, dict[str, Any]]) -> None:
     empty = [s for s, c in splits.items() if c["tokens"] == 0]
     if empty:
         raise DataError(
             f"the {' and '.join(empty)} split came out empty; give more text, a larger "
             "--val-fraction, or --val-input"
         )
-    for s in splits:
-        (root / f".{s}.bin.tmp").replace(root / f"{s}.bin")
+
+
+def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """With the token files in place: the tokenizer, then meta.json last."""
     name = "bytes"
     if isinstance(tok, HFTokenizer):
         name = "tokenizer.json"
@@ -289,9 +293,7 @@ def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> d
         "tokenizer_sha256": tok.sha256,
         "splits": splits,
     }
-    tmp = root / f".{META_FILE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(root / META_FILE)
+    replace_file(root / META_FILE, json.dumps(meta, indent=2) + "\n")
     log.info(
         "%s: %d train / %d val tokens", root, splits["train"]["tokens"], splits["val"]["tokens"]
     )

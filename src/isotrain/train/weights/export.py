@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from isotrain.train.data.tokenizer import (
@@ -20,6 +19,7 @@ from isotrain.train.data.tokenizer import (
     byte_level_json,
     run_tokenizer,
 )
+from isotrain.train.files import make_dir, new_path, replace_file
 from isotrain.train.model.gpt import GPT
 from isotrain.train.model.hf import gpt2_config, to_gpt2_state
 from isotrain.train.rundir.snapshot import load_snapshot
@@ -30,27 +30,6 @@ __all__ = ["export_hf", "export_run", "export_safetensors", "tokenizer_metadata"
 log = logging.getLogger(__name__)
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux allows (else set and restore)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    old = os.umask(0o022)
-    try:
-        return old
-    finally:
-        os.umask(old)
-
-
-def _ordinary(path: Path) -> Path:
-    """Give `path` the mode a plain `open(path, "w")` would (safetensors writes 0600)."""
-    path.chmod(0o666 & ~_umask())
-    return path
-
-
 def tokenizer_metadata(tok: Tokenizer) -> str:
     """How the isotrain format records a tokenizer: "bytes", "ids", or its JSON."""
     return tok.json if isinstance(tok, HFTokenizer) else tok.kind
@@ -59,13 +38,14 @@ def tokenizer_metadata(tok: Tokenizer) -> str:
 def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write `model`'s weights, its config and its tokenizer (as metadata) to `out`."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent)
     meta = {
         "isotrain_model_config": json.dumps(model.cfg.__dict__),
         "isotrain_tokenizer": tokenizer_metadata(tokenizer or ByteTokenizer()),
     }
-    safetensors_module().save_model(model, str(out), metadata=meta)  # drops the tied duplicate
-    return _ordinary(out)
+    with new_path(out) as tmp:  # safetensors writes by name: into a fresh file of ours
+        safetensors_module().save_model(model, str(tmp), metadata=meta)  # drops the tied copy
+    return out
 
 
 def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path]:
@@ -78,30 +58,23 @@ def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path
         log.warning("%s: no tokenizer files: the run trained on ids of unknown text", folder)
         return []
     files = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
-    files[0].write_text(text, encoding="utf-8")
+    replace_file(files[0], text)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": block_size,
         "clean_up_tokenization_spaces": False,
     }
-    files[1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    replace_file(files[1], json.dumps(config, indent=2) + "\n")
     return files
 
 
 def export_hf(model: GPT, folder: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write a folder transformers loads as GPT2LMHeadModel (and AutoTokenizer)."""
-    root = Path(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    weights = root / "model.safetensors"
-    safetensors_module().save_file(to_gpt2_state(model), str(weights), metadata={"format": "pt"})
-    config = root / "config.json"
-    config.write_text(json.dumps(gpt2_config(model.cfg), indent=2) + "\n", encoding="utf-8")
-    for path in [
-        weights,
-        config,
-        *_tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size),
-    ]:
-        _ordinary(path)
+    root = make_dir(folder)  # a link planted there (to another model's folder) is refused
+    with new_path(root / "model.safetensors") as tmp:
+        safetensors_module().save_file(to_gpt2_state(model), str(tmp), metadata={"format": "pt"})
+    replace_file(root / "config.json", json.dumps(gpt2_config(model.cfg), indent=2) + "\n")
+    _tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size)
     return root
 
 
