@@ -101,7 +101,7 @@ TOMLS = {
     "arrays nested 100,000 deep": ("steps = " + "[" * 100_000 + "]" * 100_000, "nested too deeply"),
     "tables nested 5,000 deep": ("x = " + "{a = " * 5000 + "1" + "}" * 5000, "nested too deeply"),
     "a 5,000-digit integer": ("steps = " + "9" * 5000, "a number too long"),
-    "a 4,000-digit integer": ("[model]\nd_model = " + "9" * 4000, "a 4000-digit integer"),
+    "a 4,000-digit integer": ("[model]\nd_model = " + "9" * 4000, "it must fit in 64 bits"),
     "a list 300 deep for a number": (
         "[model]\nd_model = " + "[" * 300 + "]" * 300,
         "d_model = [[[[",

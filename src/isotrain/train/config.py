@@ -291,24 +291,7 @@ def apply_toml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
         raise ConfigError(f"{source}: cannot read it ({why}); try a plain settings file") from None
     except OSError as e:
         raise ConfigError(f"{source}: cannot read it ({e.strerror}); try another file") from None
-    _check_numbers(data, source)
     return typing.cast(TrainConfig, overlay(cfg, data, "", source))
-
-
-def _check_numbers(data: dict[str, Any], source: str) -> None:
-    """Refuse an integer no setting can hold (beyond 64 bits), before any field reads it."""
-    todo: list[tuple[str, Any]] = [("", data)]
-    while todo:  # iterative: the file's nesting never costs Python stack
-        key, value = todo.pop()
-        if isinstance(value, dict):
-            todo += [(f"{key}.{k}".lstrip("."), v) for k, v in value.items()]
-        elif isinstance(value, list):
-            todo += [(f"{key}[{i}]", v) for i, v in enumerate(value)]
-        elif isinstance(value, int) and abs(value) >= 1 << 63:
-            raise ConfigError(
-                f"{source}: {key} = a {len(str(abs(value)))}-digit integer, beyond any setting "
-                "(64 bits at most); try a smaller number"
-            )
 
 
 def _positive(v: Any) -> bool:

@@ -91,6 +91,7 @@ def _fresh(path: Path, sync: bool) -> Iterator[tuple[int, Path]]:
             os.fsync(fd)
         os.close(fd)
         closed = True
+        _ordinary(tmp)
         check_regular(path)
         os.replace(tmp, path)
         if sync:
@@ -100,6 +101,20 @@ def _fresh(path: Path, sync: bool) -> Iterator[tuple[int, Path]]:
             os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+
+
+def _ordinary(tmp: Path) -> None:
+    """Give the temporary, which a library may have replaced by its own (safetensors writes
+    0600 files), a plain file's mode, through a descriptor: never through a link."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            raise _refuse(tmp, st_mode)
+        if stat.S_IMODE(st_mode) != 0o666 & ~umask():
+            os.fchmod(fd, 0o666 & ~umask())
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

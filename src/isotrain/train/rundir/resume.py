@@ -33,7 +33,7 @@ from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot, save_s
 from isotrain.train.rundir.writes import writing
 from isotrain.train.state import Run, TrainState
 
-__all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]
+__all__ = ["StopFlag", "StopNow", "maybe_resume", "save_run", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -227,13 +227,26 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checks it between steps and snapshots before exiting."""
+    """Set by SIGTERM/SIGINT; the loop checks it between steps and snapshots before exiting.
+
+    While `urgent` (the end-of-run sample, which has nothing to save), a signal stops at once.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.urgent = False
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class StopNow(KeyboardInterrupt):
+    """A signal that stops the process at once (exit 128 + `signum`): a second SIGINT or
+    SIGTERM, or one while the flag is urgent."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @contextlib.contextmanager
@@ -246,9 +259,10 @@ def stop_on_signals() -> Iterator[StopFlag]:
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
-        if flag_:  # a second signal: the user insists, stop now
-            raise KeyboardInterrupt
-        flag_.signal = signum
+        urgent = bool(flag_) or flag_.urgent  # a second signal: the user insists
+        flag_.signal = flag_.signal or signum
+        if urgent:
+            raise StopNow(signum)
 
     try:
         for s in old:
