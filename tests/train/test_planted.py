@@ -142,6 +142,30 @@ def test_train(tmp_path, capsys, name, tok, expect, kind) -> None:
         assert not os.path.lexists(path)
 
 
+RESUME = [  # (file under a run that resumes, expected outcome)
+    ("metrics.jsonl", "refused"),
+    ("config.toml", "refused"),
+    (".metrics.jsonl.tmp4242", "ok"),  # what a rewrite killed midway leaves
+    ("snapshots/step_0000003", "ok"),  # where the next snapshot goes
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("name", "expect"), RESUME)
+def test_train_resuming(trained, tmp_path, capsys, name, expect, kind) -> None:
+    run, outside = _copy(trained["bytes"], tmp_path), _outside(tmp_path)
+    target = run / name
+    if target.exists():
+        target.unlink()
+    _plant(target, kind, outside)
+    before = _tree(outside)
+    rc, err = _run(["train", *SMOKE, *SHORT, "--steps", "3", "--out-dir", str(run)], capsys)
+    _check(rc, err, "train", expect, outside, before)
+    if expect == "ok":
+        assert (run / "snapshots" / "LATEST").read_text() == "step_0000003"
+
+
 # ------------------------------------------------------- sample, export, plot, report
 READERS = [  # (command, file under a finished run, the run, expected outcome, extra args)
     ("sample", "tokenizer.json", "bpe", "refused", ["--tokens", "4"]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ __all__ = [
     "new_path",
     "open_regular",
     "read_regular",
+    "remove_leftover",
     "replace_file",
     "umask",
 ]
@@ -117,6 +119,15 @@ def _ordinary(tmp: Path) -> None:
         os.close(fd)
 
 
+def remove_leftover(path: Path) -> None:
+    """Remove a leftover (or planted) temporary: a directory with what it holds, anything
+    else (a link, a FIFO) by its name alone, never what a link points to."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink(missing_ok=True)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -173,12 +184,16 @@ def read_regular(path: str | Path, *, limit: int | None = None) -> bytes:
         return f.read() if limit is None else f.read(limit)
 
 
-def make_dir(path: str | Path) -> Path:
-    """`mkdir -p path`, refusing a final component that is a link or not a directory."""
+def make_dir(path: str | Path, *, follow: bool = False) -> Path:
+    """`mkdir -p path`, refusing a final component that is not a directory: a FIFO, a file,
+    or (unless `follow`, for a folder the user named) a link, even to a directory."""
     path = Path(path)
     with contextlib.suppress(FileExistsError):
         path.mkdir(parents=True, exist_ok=False)
     mode = os.lstat(path).st_mode
+    if follow and stat.S_ISLNK(mode):
+        with contextlib.suppress(OSError):
+            mode = os.stat(path).st_mode
     if not stat.S_ISDIR(mode):
         raise PlantedPathError(
             f"{path} is {_kind(mode)}, not a directory: isotrain never writes through one "

@@ -202,7 +202,7 @@ def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> None:
             path.unlink()  # a link is removed, never what it points to
         return
     with writing(path, run_dir):
-        make_dir(path.parent)
+        make_dir(path.parent, follow=True)
         tok.save(path)
 
 

@@ -256,7 +256,7 @@ def prepare(
     files = [f for spec in inputs for f in find_files(spec, "--input")]
     val_files = find_files(val_input, "--val-input") if val_input else []
     parts = plan_parts(files, val_files, val_fraction)
-    make_dir(root)
+    make_dir(root, follow=True)  # the folder the user named; its files are never followed
     with _progress(progress) as bar, contextlib.ExitStack() as opened:
         tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
         task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))

@@ -65,7 +65,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "plots need matplotlib, which is not installed; try pip install 'isotrain[plots]'"
         ) from e
     records = read_metrics(run_dir)
-    out = make_dir(out_dir or run_dir)
+    out = make_dir(out_dir or run_dir, follow=True)  # a folder the user named
     written = []
 
     def save(fig: Any, name: str) -> None:

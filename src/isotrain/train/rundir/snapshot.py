@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from isotrain.train.files import new_file, replace_file
+from isotrain.train.files import new_file, remove_leftover, replace_file
 from isotrain.train.rundir.integrity import (
     SNAPSHOT_NAME,
     SnapshotError,
@@ -98,7 +98,7 @@ def save_snapshot(
     tmp = temp_dir(root, step, os.getpid())
     with writing(tmp, run_dir):
         root.mkdir(parents=True, exist_ok=True)
-        _remove(tmp)
+        remove_leftover(tmp)
         tmp.mkdir()
     return publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
 
@@ -185,16 +185,7 @@ def _prune(root: Path, keep: int) -> None:
             with contextlib.suppress(OSError):
                 os.replace(snap, temp_dir(root, _step(snap), os.getpid()))
     for stale in [*root.glob(".tmp_*"), *root.glob(".*.tmp*")]:
-        _remove(stale)
-
-
-def _remove(path: Path) -> None:
-    """Remove a leftover (or planted) temporary: a directory with what it holds, anything
-    else (a link, a FIFO) by its name alone, never what a link points to."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        path.unlink(missing_ok=True)
+        remove_leftover(stale)
 
 
 def _step(snap: Path) -> int:

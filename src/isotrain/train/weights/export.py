@@ -38,7 +38,7 @@ def tokenizer_metadata(tok: Tokenizer) -> str:
 def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write `model`'s weights, its config and its tokenizer (as metadata) to `out`."""
     out = Path(out)
-    make_dir(out.parent)
+    make_dir(out.parent, follow=True)
     meta = {
         "isotrain_model_config": json.dumps(model.cfg.__dict__),
         "isotrain_tokenizer": tokenizer_metadata(tokenizer or ByteTokenizer()),
