@@ -232,3 +232,24 @@ def test_prepare(tmp_path, capsys, name, tok, expect, kind) -> None:
     _check(rc, err, "prepare", expect, outside, before)
     if expect == "ok":
         assert (out / "meta.json").is_file() and os.path.lexists(out / name)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path) -> None:
+    from isotrain.train.files import new_file
+
+    target = tmp_path / "config.toml"
+    target.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="disk full"), new_file(target) as f:
+        f.write(b"half of the new")
+        raise RuntimeError("disk full")
+    assert target.read_bytes() == b"old" and list(tmp_path.iterdir()) == [target]
+    with new_file(target) as f:
+        f.write(b"new")
+    assert target.read_bytes() == b"new" and list(tmp_path.iterdir()) == [target]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old

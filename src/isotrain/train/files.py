@@ -29,10 +29,8 @@ __all__ = [
     "new_file",
     "new_path",
     "open_regular",
-    "read_regular",
     "remove_leftover",
     "replace_file",
-    "umask",
 ]
 
 
@@ -69,7 +67,7 @@ def check_regular(path: str | Path) -> bool:
     return True
 
 
-def umask() -> int:
+def _umask() -> int:
     """The process umask, read without changing it where Linux allows (else set and restore)."""
     with contextlib.suppress(OSError, ValueError):
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -87,7 +85,7 @@ def _fresh(path: Path, sync: bool) -> Iterator[tuple[int, Path]]:
     fd, name = tempfile.mkstemp(prefix=f".{path.name}.tmp", dir=path.parent)
     tmp, closed = Path(name), False
     try:
-        os.fchmod(fd, 0o666 & ~umask())
+        os.fchmod(fd, 0o666 & ~_umask())
         yield fd, tmp
         if sync:
             os.fsync(fd)
@@ -113,8 +111,8 @@ def _ordinary(tmp: Path) -> None:
         st_mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(st_mode):
             raise _refuse(tmp, st_mode)
-        if stat.S_IMODE(st_mode) != 0o666 & ~umask():
-            os.fchmod(fd, 0o666 & ~umask())
+        if stat.S_IMODE(st_mode) != 0o666 & ~_umask():
+            os.fchmod(fd, 0o666 & ~_umask())
     finally:
         os.close(fd)
 
@@ -175,13 +173,6 @@ def open_regular(path: str | Path, flags: int, mode: int = 0o644) -> int:
         raise _refuse(Path(path), st_mode)
     os.set_blocking(fd, True)
     return fd
-
-
-def read_regular(path: str | Path, *, limit: int | None = None) -> bytes:
-    """The bytes of a regular file (at most `limit`); a link, FIFO or directory is refused."""
-    fd = open_regular(path, os.O_RDONLY)
-    with os.fdopen(fd, "rb") as f:
-        return f.read() if limit is None else f.read(limit)
 
 
 def make_dir(path: str | Path, *, follow: bool = False) -> Path:
