@@ -89,7 +89,7 @@ def test_the_trainer_imports_only_public_packages() -> None:
 # down: each may import only what stands below it. Read the README's layout section with it.
 TRAINER_ORDER = (
     "cli", "loop", "inputs", "weights", "report", "step", "update", "rundir", "state",
-    "precision", "parallel", "config", "model", "data", "environment", "fields",
+    "precision", "parallel", "config", "model", "data", "environment", "files", "fields",
 )  # fmt: skip
 
 

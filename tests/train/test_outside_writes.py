@@ -80,7 +80,7 @@ def _disk_full_at(nbytes: int) -> Iterator[None]:
 
 def _read_only(monkeypatch, folder: Path) -> None:
     """Writes under `folder` fail as on a read-only mount (the tests run as root, for whom
-    chmod stops nothing): Python's open and mkdir, and safetensors' own writer."""
+    chmod stops nothing): Python's open, os.open and mkdir, and safetensors' own writer."""
     import builtins
     import io
 
@@ -88,6 +88,7 @@ def _read_only(monkeypatch, folder: Path) -> None:
     from safetensors import SafetensorError
 
     real_open, real_mkdir, real_serialize = builtins.open, os.mkdir, st.serialize_file
+    real_os_open = os.open
 
     def inside(path: Any) -> bool:
         p = Path(os.fsdecode(path)).absolute()
@@ -100,6 +101,11 @@ def _read_only(monkeypatch, folder: Path) -> None:
         if isinstance(file, (str, os.PathLike)) and set(mode) & set("wax+") and inside(file):
             refuse(file)
         return real_open(file, mode, *args, **kwargs)
+
+    def os_open(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT) and inside(path):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
 
     def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
         if inside(path) and not os.path.isdir(path):
@@ -116,6 +122,7 @@ def _read_only(monkeypatch, folder: Path) -> None:
 
     monkeypatch.setattr(builtins, "open", open_)
     monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(os, "open", os_open)
     monkeypatch.setattr(os, "mkdir", mkdir)
     monkeypatch.setattr(st, "serialize_file", serialize)
 

@@ -286,6 +286,9 @@ def apply_toml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
         ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: not valid TOML ({e}); try fixing that line") from None
+    except (RecursionError, ValueError) as e:  # nesting past the parser's depth; 4,300+ digits
+        why = "nested too deeply" if isinstance(e, RecursionError) else "a number too long"
+        raise ConfigError(f"{source}: cannot read it ({why}); try a plain settings file") from None
     except OSError as e:
         raise ConfigError(f"{source}: cannot read it ({e.strerror}); try another file") from None
     return typing.cast(TrainConfig, overlay(cfg, data, "", source))

@@ -1,18 +1,63 @@
-"""What the machine must offer a run: the device, a usable run directory, optional packages.
+"""What the machine must offer a run: the device, a usable run directory, optional packages,
+and enough memory.
 
-Checked before anything is built or written, so a run that cannot work fails in one line.
+Checked before anything is built or written, so a run that cannot work fails in one line; an
+allocation that fails later (building the model, or in a step) is one line too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from isotrain.train.fields import ConfigError
 
-__all__ = ["check_device", "check_directory", "check_extra"]
+__all__ = ["OutOfMemory", "check_device", "check_directory", "check_extra", "memory_for"]
+
+# torch's CPU allocator: "... you tried to allocate 123 bytes"; CUDA: "Tried to allocate 2.00 GiB"
+_SIZE = re.compile(r"tried to allocate\s+([0-9.]+\s*(?:bytes|[KMGTP]i?B))", re.IGNORECASE)
+_OOM = ("out of memory", "not enough memory", "can't allocate memory", "cannot allocate memory")
+
+
+class OutOfMemory(ConfigError):
+    """An allocation failed; the message names its size and the settings that shrink it."""
+
+
+def _size(text: str) -> str:
+    """The size an allocation failure names, as `117.7 MiB`, or `an unknown amount`."""
+    found = _SIZE.search(text)
+    if found is None:
+        return "an unknown amount"
+    value = found.group(1)
+    if not value.endswith("bytes"):
+        return value
+    n = float(value.split()[0])
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return value
+
+
+@contextlib.contextmanager
+def memory_for(what: str, *, lower: str) -> Iterator[None]:
+    """Turn an allocation failure in the block into one line: what ran out, the size it
+    asked for, and the settings (`lower`) that need less memory."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        text = str(e)
+        oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
+        if not oom and not any(m in text.lower() for m in _OOM):
+            raise
+        raise OutOfMemory(
+            f"out of memory {what}: tried to allocate {_size(text)}; lower {lower}"
+        ) from None
 
 
 def check_device(name: str) -> None:

@@ -184,9 +184,9 @@ def overlay(obj: Any, updates: dict[str, Any], prefix: str, source: str) -> Any:
         if why is not None:
             section = f"[{prefix[:-1]}] " if prefix else ""
             fix = f"{section}{name} = {_toml(current)}" if current is not None else "removing it"
-            raise ConfigError(
-                f"{source}: {prefix}{key} = {_toml(value)} is invalid: {why}; try {fix}"
-            )
+            shown = _toml(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise ConfigError(f"{source}: {prefix}{key} = {shown} is invalid: {why}; try {fix}")
         changes[name] = coerce(value, hint)
     return dataclasses.replace(obj, **changes)
 

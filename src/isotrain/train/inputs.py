@@ -28,9 +28,11 @@ from isotrain.train.data.tokenizer import (
     Tokenizer,
     text_chunks,
 )
+from isotrain.train.files import check_regular, make_dir
 from isotrain.train.model.gpt import GPT
 from isotrain.train.rundir.resume import ways_on
 from isotrain.train.rundir.snapshot import SnapshotError, find_snapshots
+from isotrain.train.rundir.writes import writing
 from isotrain.train.weights.load import load_with_tokenizer
 
 __all__ = [
@@ -198,12 +200,12 @@ def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> None:
     ids remove a stale one a failed earlier start may have left."""
     path = Path(run_dir) / RUN_TOKENIZER
     if not isinstance(tok, HFTokenizer):
-        path.unlink(missing_ok=True)
+        if path.is_symlink() or check_regular(path):  # a FIFO or directory is refused
+            path.unlink()  # a link is removed, never what it points to
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tok.save(tmp)
-    tmp.replace(path)
+    with writing(path, run_dir):
+        make_dir(path.parent, follow=True)
+        tok.save(path)
 
 
 def load_inputs(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import signal
 import time
@@ -24,11 +25,13 @@ from isotrain.compile import compile_counters, compile_model, no_recompiles, war
 from isotrain.contexts import flush_subnormals, rng_isolated
 from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.data import batches as data_mod
+from isotrain.train.environment import memory_for
 from isotrain.train.inputs import load_inputs
 from isotrain.train.model.gpt import GPT, Block
 from isotrain.train.model.sampling import prompt_from, sample
 from isotrain.train.parallel import (
     DistInfo,
+    LauncherWatch,
     any_rank,
     init_distributed,
     process_group_scope,
@@ -38,7 +41,13 @@ from isotrain.train.precision import resolve_precision
 from isotrain.train.report.loggers import MetricsWriter, write_config_file
 from isotrain.train.report.progress import Reporter, where_and_next
 from isotrain.train.rundir.lock import lock_run
-from isotrain.train.rundir.resume import maybe_resume, save_run, stop_on_signals
+from isotrain.train.rundir.resume import (
+    StopFlag,
+    StopNow,
+    maybe_resume,
+    save_run,
+    stop_on_signals,
+)
 from isotrain.train.rundir.snapshot import find_snapshots
 from isotrain.train.state import Batches, Run, TrainState, bucket_lengths
 from isotrain.train.step import evaluate, precision_context, train_step
@@ -48,14 +57,25 @@ from isotrain.train.weights.load import build_model
 
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 
+log = logging.getLogger(__name__)
+
+MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
+STEP_SIZE = (
+    "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per "
+    "step), or pass --checkpointing.policy full"
+)
+
 
 class TrainingStopped(Exception):
     """SIGINT or SIGTERM stopped training; a snapshot of `step` was written first."""
 
-    def __init__(self, signum: int, step: int, out_dir: str) -> None:
+    def __init__(self, signum: int, step: int, out_dir: str, *, finished: bool = False) -> None:
         name = "Ctrl-C (SIGINT)" if signum == signal.SIGINT else signal.Signals(signum).name
         super().__init__(
-            f"{name}: stopped at step {step} after writing its snapshot; run the same "
+            f"{name}: the run finished at step {step} (snapshot and summary written); the "
+            f"end-of-run sample was skipped, try isotrain sample {out_dir}"
+            if finished
+            else f"{name}: stopped at step {step} after writing its snapshot; run the same "
             f"command again to continue {out_dir}"
         )
         self.signum, self.step = signum, step
@@ -75,10 +95,11 @@ def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     cfg, precision = resolve_precision(cfg, info)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
-    model = build_model(cfg.model)
-    if init is not None:  # fine-tuning: weights only; optimizer, schedule and guard start fresh
-        model.load_state_dict(init.model.state_dict())
-    model = model.to(info.device)
+    with memory_for("building the model", lower=MODEL_SIZE):
+        model = build_model(cfg.model)
+        if init is not None:  # fine-tuning: weights only; optimizer, schedule, guard start fresh
+            model.load_state_dict(init.model.state_dict())
+        model = model.to(info.device)
     example = batches.get("train", 0)[:2]
     train_model = prepare_model(cfg, model, info, example=example)
     optimizer = build_optimizer(model, cfg.optim)
@@ -160,6 +181,7 @@ def _evaluate_and_record(
     val = evaluate(run)
     st = run.state
     st.last_val, st.best_val = val, min(st.best_val, val)
+    run.eval_step = st.step
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
     reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")
@@ -222,7 +244,10 @@ def train(cfg: TrainConfig) -> TrainState:
             reporter.header(_facts(run, st.step, precision=precision, flushed=flushed))
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
-            with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
+            with (
+                no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext(),
+                memory_for("in a training step", lower=STEP_SIZE),
+            ):
                 train_time, stopped = _loop(run, reporter, metrics, baseline, stop)
             reporter.stop()  # the bar ends here; what follows prints below it
             if stopped:
@@ -230,7 +255,7 @@ def train(cfg: TrainConfig) -> TrainState:
                 save_run(run)
                 raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
             _evaluate_and_record(run, reporter, metrics, baseline)
-            _finish(run, reporter, metrics, baseline, train_time)
+            _finish(run, reporter, metrics, baseline, train_time, stop)
         return st
 
 
@@ -262,7 +287,7 @@ def _loop(
     """Steps until the end or a stop signal; returns training seconds and whether it stopped."""
     cfg, st = run.cfg, run.state
     first, timer, stopping = st.step, _Timer(st.tokens_seen), False
-    clock, late = _SnapshotClock(cfg.snapshot.minutes), False
+    clock, late, launcher = _SnapshotClock(cfg.snapshot.minutes), False, LauncherWatch()
     while st.step < cfg.steps and not stopping:
         eval_due = st.step % cfg.eval_every == 0
         every = cfg.snapshot.every
@@ -276,6 +301,9 @@ def _loop(
                     save_run(run)
                     clock.reset()
         outcome = train_step(run)
+        if not stop and launcher.gone():  # torchrun's agent died: stop as for SIGTERM
+            log.warning("the launcher (PID %s) exited: stopping with a snapshot", launcher.parent)
+            stop.signal = signal.SIGTERM
         log_step = st.step % cfg.log_every == 0 or st.step == cfg.steps
         if log_step:
             _log(run, reporter, metrics, outcome, *timer.lap(st.tokens_seen))
@@ -378,15 +406,43 @@ class _Timer:
 
 
 def _finish(
-    run: Run, reporter: Reporter, metrics: MetricsWriter, baseline: float, train_time: float
+    run: Run,
+    reporter: Reporter,
+    metrics: MetricsWriter,
+    baseline: float,
+    train_time: float,
+    stop: StopFlag,
 ) -> None:
-    """Final snapshot, a sample, and the summary."""
+    """Final snapshot, the summary, then a sample (a signal during it skips the rest of it)."""
     cfg, st = run.cfg, run.state
     save_run(run)
-    if cfg.sample_tokens:
-        prompt = prompt_from(run.batches.corpus.val, run.tokenizer, seed=cfg.seed)
-        text = sample(run.model, prompt, cfg.sample_tokens, tokenizer=run.tokenizer, seed=cfg.seed)
-        reporter.line("sample (prompt from the validation data, then the model):\n" + prompt + text)
+    summary = _summary(run, baseline, train_time)
+    metrics.write("summary", **summary)
+    if cfg.sample_tokens and not stop:
+        stop.urgent = True  # nothing is left to save: a signal stops the sample at once
+        try:
+            prompt = prompt_from(run.batches.corpus.val, run.tokenizer, seed=cfg.seed)
+            text = sample(
+                run.model, prompt, cfg.sample_tokens, tokenizer=run.tokenizer, seed=cfg.seed
+            )
+            reporter.line(
+                "sample (prompt from the validation data, then the model):\n" + prompt + text
+            )
+        except StopNow:
+            pass
+        finally:
+            stop.urgent = False
+    reporter.ending(
+        {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()},
+        where_and_next(cfg.out_dir, cfg.report.loggers),
+    )
+    if stop:
+        raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir, finished=True)
+
+
+def _summary(run: Run, baseline: float, train_time: float) -> dict[str, Any]:
+    """The summary record of a finished run."""
+    st = run.state
     summary = {
         "steps": st.step,
         "tokens_seen": st.tokens_seen,
@@ -405,8 +461,4 @@ def _finish(
     }
     if run.cfg.compile.enabled:
         summary["compile_seconds"] = run.compile_seconds
-    metrics.write("summary", **summary)
-    reporter.ending(
-        {k: f"{v:.4f}" if isinstance(v, float) else str(v) for k, v in summary.items()},
-        where_and_next(cfg.out_dir, cfg.report.loggers),
-    )
+    return summary

@@ -24,6 +24,7 @@ T = TypeVar("T")
 
 __all__ = [
     "DistInfo",
+    "LauncherWatch",
     "all_reduce_mean",
     "any_rank",
     "from_main",
@@ -35,6 +36,20 @@ __all__ = [
 ]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LauncherWatch:
+    """Whether the process that launched this one (torchrun's agent) has died: its workers
+    are then reparented, and must stop with a snapshot rather than train on unsupervised
+    with the run's lock held. Only under torchrun (TORCHELASTIC_RUN_ID set)."""
+
+    def __init__(self) -> None:
+        launched = "TORCHELASTIC_RUN_ID" in os.environ
+        self.parent = os.getppid() if launched else None
+
+    def gone(self) -> bool:
+        """True once the launcher is no longer this process's parent (one cheap syscall)."""
+        return self.parent is not None and os.getppid() != self.parent
 
 
 @dataclass(frozen=True)

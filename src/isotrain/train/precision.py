@@ -24,6 +24,7 @@ import torch
 from isotrain.autograd import native_bf16_matmul
 from isotrain.contexts import autocast_if_available, rng_isolated
 from isotrain.train.config import TrainConfig
+from isotrain.train.files import PlantedPathError, replace_file
 from isotrain.train.model.gpt import GPT
 from isotrain.train.parallel import DistInfo, from_main
 
@@ -104,10 +105,8 @@ def _write_cache(path: Path, key: str, choice: PrecisionChoice) -> None:
     data[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as e:  # a read-only home must not stop training
+        replace_file(path, json.dumps(data, indent=1, sort_keys=True))
+    except (OSError, PlantedPathError) as e:  # a read-only home must not stop training
         log.warning("could not cache the precision probe in %s (%s)", path, e)
 
 

@@ -131,3 +131,4 @@ class Run:
     compile_base: Any = None  # compile counters right after warm-up
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # text <-> ids for samples
     precision_note: str = ""  # the precision and why (auto's choice and its measured ratio)
+    eval_step: int | None = None  # the step state.last_val was measured at (None: not yet)

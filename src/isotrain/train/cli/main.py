@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -188,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"isotrain {argv[0]}: error: {message}\n")
         return 2
-    except KeyboardInterrupt:  # before training started (training stops with a snapshot)
-        sys.stderr.write(f"isotrain {argv[0]}: interrupted\n")
-        return 130
+    except KeyboardInterrupt as e:  # before training started, or a second signal (StopNow)
+        signum = getattr(e, "signum", signal.SIGINT)
+        sys.stderr.write(f"isotrain {argv[0]}: interrupted ({signal.Signals(signum).name})\n")
+        return 128 + signum

@@ -101,6 +101,21 @@ def _array_bytes(arr: np.ndarray, lengths: np.ndarray | None) -> int | None:
     return sum(int(lengths[arr[i : i + CHUNK]].sum()) for i in range(0, len(arr), CHUNK))
 
 
+def _val_bytes(data: TokenData, lengths: np.ndarray | None) -> int | None:
+    """Bytes of text behind the val tokens: meta.json's record when it can be true (at least
+    one byte, at most the longest token's bytes per token), else counted from the tokens."""
+    claimed = data.val_bytes
+    if claimed is None:
+        return _array_bytes(data.val, lengths)
+    longest = int(lengths.max()) if lengths is not None and len(lengths) else None
+    if claimed < 1 or (longest is not None and claimed > len(data.val) * longest):
+        raise DataError(
+            f"{data.source}: meta.json says the val tokens stand for {claimed} bytes of text, "
+            f"which {len(data.val)} tokens cannot; run isotrain prepare again"
+        )
+    return claimed
+
+
 def build_corpus(data: TextData | TokenData, tok: Tokenizer, vocab_size: int) -> Corpus:
     """Token arrays of `data` through `tok`, every id checked against `vocab_size`."""
     if tok.vocab_size > vocab_size:
@@ -118,19 +133,21 @@ def build_corpus(data: TextData | TokenData, tok: Tokenizer, vocab_size: int) ->
         return Corpus(train, val, data.source, tok.vocab_size, len(data.val))
     if data.meta is not None:
         _check_vocab(data.meta.vocab_size - 1, vocab_size, f"{data.meta.folder}/meta.json")
-    else:  # no record of the ids: read them once, in chunks
-        if len(data.train) > 1 << 30:
-            log.info("%s: checking every token id once (meta.json skips this)", data.source)
-        top = max(_max_id(data.train), _max_id(data.val))
-        _check_vocab(top, vocab_size, data.source)
-        if tok.kind != "ids" and top >= tok.vocab_size:
-            raise DataError(
-                f"{data.source}: token id {top} but the tokenizer has {tok.vocab_size} tokens; "
-                "these ids come from another tokenizer: pass --tokenizer PATH/tokenizer.json"
-            )
-    val_bytes = data.val_bytes
-    if val_bytes is None:
-        val_bytes = _array_bytes(data.val, tok.byte_lengths())
+    if len(data.train) > 1 << 30:
+        log.info("%s: checking every token id once", data.source)
+    top = max(_max_id(data.train), _max_id(data.val))  # the data, not what meta.json claims
+    _check_vocab(top, vocab_size, data.source)
+    if data.meta is not None and top >= data.meta.vocab_size:
+        raise DataError(
+            f"{data.source}: token id {top}, but its meta.json records {data.meta.vocab_size} "
+            "tokens; the files do not match their meta.json: run isotrain prepare again"
+        )
+    if tok.kind != "ids" and top >= tok.vocab_size:
+        raise DataError(
+            f"{data.source}: token id {top} but the tokenizer has {tok.vocab_size} tokens; "
+            "these ids come from another tokenizer: pass --tokenizer PATH/tokenizer.json"
+        )
+    val_bytes = _val_bytes(data, tok.byte_lengths())
     ids = data.meta.vocab_size if data.meta is not None else vocab_size
     return Corpus(data.train, data.val, data.source, ids, val_bytes)
 

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
@@ -27,6 +27,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from isotrain.train.data.batches import token_dtype
 from isotrain.train.data.sources import META_FILE, DataError, find_files, is_val_file
 from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from isotrain.train.files import check_regular, make_dir, new_file, replace_file
 
 __all__ = ["Part", "plan_parts", "prepare"]
 
@@ -203,10 +204,10 @@ def _encode(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> np.ndarray:
 
 
 class _Writer:
-    """Appends token ids of one split to its temporary file; counts tokens and text bytes."""
+    """Appends token ids of one split to its (fresh, temporary) file; counts tokens and bytes."""
 
-    def __init__(self, path: Path, dtype: np.dtype) -> None:
-        self.file, self.dtype = path.open("wb"), dtype
+    def __init__(self, file: BinaryIO, dtype: np.dtype) -> None:
+        self.file, self.dtype = file, dtype
         self.tokens = self.bytes = 0
 
     def write(self, tok: Tokenizer, texts: list[str]) -> None:
@@ -217,26 +218,22 @@ class _Writer:
 
 
 def _write_splits(
-    parts: list[Part], tok: Tokenizer, out: Path, field: str, advance: Callable[[int], None]
+    parts: list[Part],
+    tok: Tokenizer,
+    writers: dict[str, _Writer],
+    field: str,
+    advance: Callable[[int], None],
 ) -> dict[str, dict[str, Any]]:
-    """Tokenize every part into `.train.bin.tmp` / `.val.bin.tmp`, 16 pieces per batch."""
-    dtype = token_dtype(tok.vocab_size)
-    writers: dict[str, _Writer] = {}
-    try:
-        for s in ("train", "val"):
-            writers[s] = _Writer(out / f".{s}.bin.tmp", dtype)
-        for part in parts:
-            batch: list[str] = []
-            for text, n in pieces(part, field):
-                batch.append(text)
-                advance(n)
-                if len(batch) == 16:
-                    writers[part.split].write(tok, batch)
-                    batch = []
-            writers[part.split].write(tok, batch)
-    finally:
-        for w in writers.values():
-            w.file.close()
+    """Tokenize every part into its split's writer, 16 pieces per batch."""
+    for part in parts:
+        batch: list[str] = []
+        for text, n in pieces(part, field):
+            batch.append(text)
+            advance(n)
+            if len(batch) == 16:
+                writers[part.split].write(tok, batch)
+                batch = []
+        writers[part.split].write(tok, batch)
     return {
         s: {"file": f"{s}.bin", "tokens": w.tokens, "bytes": w.bytes} for s, w in writers.items()
     }
@@ -291,42 +288,47 @@ def prepare(
     val_files = find_files(val_input, "--val-input") if val_input else []
     parts = plan_parts(files, val_files, val_fraction)
     created = not root.exists()
+    make_dir(root, follow=True)  # the folder the user named; its files are never followed
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with _progress(progress) as bar:
+        with _progress(progress) as bar, contextlib.ExitStack() as opened:
             tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
             task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
-            splits = _write_splits(parts, tok, root, text_field, lambda n: bar.advance(task, n))
+            dtype = token_dtype(tok.vocab_size)
+            # Fresh temporaries, renamed onto train.bin / val.bin only when both are complete.
+            writers = {s: _Writer(opened.enter_context(new_file(root / f"{s}.bin")), dtype)
+                       for s in ("train", "val")}  # fmt: skip
+            splits = _write_splits(parts, tok, writers, text_field, lambda n: bar.advance(task, n))
+            _check_splits(splits)
+            _drop_stale_meta(root)
         return _publish(root, tok, splits)
-    except BaseException:  # a full disk, a bad record, Ctrl-C: no temporary file stays
-        for name in _TEMPORARIES:
-            with contextlib.suppress(OSError):
-                (root / name).unlink(missing_ok=True)
+    except BaseException:  # a full disk, a bad record, Ctrl-C: the temporaries are gone already
         if created:
             with contextlib.suppress(OSError):
                 root.rmdir()  # only while empty
         raise
 
 
-_TEMPORARIES = (".train.bin.tmp", ".val.bin.tmp", ".tokenizer.json.tmp", f".{META_FILE}.tmp")
+def _drop_stale_meta(root: Path) -> None:
+    """New token files are never left beside an old meta.json, even half published."""
+    if check_regular(root / META_FILE):  # a link or FIFO planted there is refused
+        (root / META_FILE).unlink()
 
 
-def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Rename the token files into place, then the tokenizer, then meta.json last."""
+def _check_splits(splits: dict[str, dict[str, Any]]) -> None:
     empty = [s for s, c in splits.items() if c["tokens"] == 0]
     if empty:
         raise DataError(
             f"the {' and '.join(empty)} split came out empty; give more text, a larger "
             "--val-fraction, or --val-input"
         )
-    (root / META_FILE).unlink(missing_ok=True)  # half published: no meta.json, never a stale one
-    for s in splits:
-        (root / f".{s}.bin.tmp").replace(root / f"{s}.bin")
+
+
+def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """With the token files in place: the tokenizer, then meta.json last."""
     name = "bytes"
     if isinstance(tok, HFTokenizer):
         name = "tokenizer.json"
-        tok.save(root / ".tokenizer.json.tmp")
-        (root / ".tokenizer.json.tmp").replace(root / name)
+        tok.save(root / name)
     meta = {
         "format": "isotrain-tokens",
         "version": 1,
@@ -336,9 +338,7 @@ def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> d
         "tokenizer_sha256": tok.sha256,
         "splits": splits,
     }
-    tmp = root / f".{META_FILE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(root / META_FILE)
+    replace_file(root / META_FILE, json.dumps(meta, indent=2) + "\n")
     log.info(
         "%s: %d train / %d val tokens", root, splits["train"]["tokens"], splits["val"]["tokens"]
     )

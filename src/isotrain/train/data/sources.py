@@ -61,6 +61,7 @@ class PreparedMeta:
     tokenizer: str  # "bytes" or a file name inside `folder`
     tokenizer_sha256: str
     split_bytes: dict[str, int]  # UTF-8 bytes of text behind each split's tokens
+    split_tokens: dict[str, int]  # tokens of each split: checked against the files' sizes
 
 
 @dataclass(frozen=True)
@@ -168,19 +169,43 @@ def read_meta(folder: Path) -> PreparedMeta | None:
         return None
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
+        splits = raw["splits"]
         meta = PreparedMeta(
             folder=folder,
             dtype=str(raw["dtype"]),
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=_count(raw["vocab_size"], "vocab_size", low=1),
             tokenizer=str(raw["tokenizer"]),
             tokenizer_sha256=str(raw.get("tokenizer_sha256", "")),
-            split_bytes={k: int(v["bytes"]) for k, v in raw["splits"].items()},
+            split_bytes={k: _count(v["bytes"], f"{k} bytes") for k, v in splits.items()},
+            split_tokens={k: _count(v["tokens"], f"{k} tokens") for k, v in splits.items()},
         )
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path}: unreadable meta file ({e!r}); run isotrain prepare again") from e
     if meta.dtype not in TOKEN_DTYPES or Path(meta.tokenizer).name != meta.tokenizer:
         raise DataError(f"{path}: bad dtype or tokenizer entry; run isotrain prepare again")
+    if meta.vocab_size > 1 << (8 * np.dtype(meta.dtype).itemsize):
+        raise DataError(
+            f"{path}: vocab_size {meta.vocab_size} does not fit its dtype {meta.dtype}; "
+            "run isotrain prepare again"
+        )
     return meta
+
+
+def _count(value: Any, what: str, *, low: int = 0) -> int:
+    """A whole number of at least `low` from meta.json (a bool, float or string is not one)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{what} is {value!r}, not a whole number >= {low}")
+    return value
+
+
+def _check_tokens(arr: np.ndarray, meta: PreparedMeta | None, split: str, path: Path) -> None:
+    """The token file holds as many tokens as meta.json records (else the dtype lies)."""
+    claimed = meta.split_tokens.get(split) if meta else None
+    if claimed is not None and claimed != len(arr):
+        raise DataError(
+            f"{path}: holds {len(arr)} {arr.dtype} tokens, but meta.json records {claimed}: "
+            "the file or its dtype is not what meta.json says; run isotrain prepare again"
+        )
 
 
 def _prepared(folder: Path, val_path: str | None, fraction: float, dtype: str) -> TokenData:
@@ -188,6 +213,7 @@ def _prepared(folder: Path, val_path: str | None, fraction: float, dtype: str) -
     meta = read_meta(folder)
     dtype = meta.dtype if meta else dtype
     train = load_token_file(folder / "train.bin", dtype)
+    _check_tokens(train, meta, "train", folder / "train.bin")
     if val_path is not None or (folder / "val.bin").is_file():
         val, val_bytes = _val_tokens(val_path or str(folder), dtype)
         return TokenData(train, val, str(folder), meta, val_bytes)
@@ -202,6 +228,7 @@ def _val_tokens(val_path: str, dtype: str) -> tuple[np.ndarray, int | None]:
     if p.is_dir() and (p / "val.bin").is_file():
         meta = read_meta(p)
         val = load_token_file(p / "val.bin", meta.dtype if meta else dtype)
+        _check_tokens(val, meta, "val", p / "val.bin")
         return val, meta.split_bytes.get("val") if meta else None
     if p.suffix in (".bin", ".npy") and p.is_file():
         return load_token_file(p, dtype), None

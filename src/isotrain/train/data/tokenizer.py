@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from isotrain.train.data.sources import DataError
+from isotrain.train.files import replace_file
 
 __all__ = [
     "RUN_TOKENIZER",
@@ -186,10 +187,9 @@ class HFTokenizer:
         return str(self.tok.decode(_as_list(ids), skip_special_tokens=False))
 
     def save(self, path: str | Path) -> Path:
-        """Write the canonical JSON (whose sha256 is `self.sha256`)."""
-        p = Path(path)
-        p.write_text(self.json, encoding="utf-8")
-        return p
+        """Write the canonical JSON (whose sha256 is `self.sha256`) through a fresh temporary
+        file and a rename: never through a link, FIFO or directory planted at `path`."""
+        return replace_file(path, self.json)
 
     def byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes per token id: exact for byte-level tokenizers, else from decoding."""
@@ -248,13 +248,19 @@ RUN_TOKENIZER = "tokenizer.json"  # a run's tokenizer, beside its snapshots (HF 
 def run_tokenizer(run_dir: str | Path, config: dict[str, Any]) -> Tokenizer:
     """The tokenizer a run trained with, from RUN/tokenizer.json and its stored config.
 
-    The file's sha256 must be the one the config recorded: a changed file is refused.
+    The file's sha256 must be the one the config recorded ('' for bytes and ids, which have no
+    file): a changed file, or one planted into a run that trained without one, is refused.
     """
     path = Path(run_dir) / RUN_TOKENIZER
     expected = str(config.get("tokenizer_sha256") or "")
-    if path.is_file():
+    if path.is_file() or path.is_symlink():
+        if not expected:
+            raise DataError(
+                f"{path}: the run trained on bytes or ids, without a tokenizer file, so this "
+                "one was put there after training; remove it"
+            )
         tok = HFTokenizer.from_file(path)
-        if expected and tok.sha256 != expected:
+        if tok.sha256 != expected:
             raise DataError(
                 f"{path}: sha256 {tok.sha256[:12]}… is not the {expected[:12]}… the run trained "
                 "with; the file was changed after training: restore it"

@@ -12,13 +12,14 @@ import csv
 import io
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from isotrain.train.data.tokenizer import RUN_TOKENIZER
 from isotrain.train.fields import ConfigError, to_toml
+from isotrain.train.files import check_regular, remove_leftover, replace_file
 from isotrain.train.rundir.metrics import METRICS_FILE
 from isotrain.train.rundir.writes import append_line, writing
 
@@ -88,14 +89,14 @@ class CsvLogger:
 
     @staticmethod
     def _header(path: Path) -> list[str]:
-        if not path.is_file():
+        if not check_regular(path):
             return []
         with path.open(newline="", encoding="utf-8") as f:
             return next(csv.reader(f), [])
 
     @staticmethod
     def _rows(path: Path) -> list[dict[str, str]]:
-        if not path.is_file():
+        if not check_regular(path):
             return []
         with path.open(newline="", encoding="utf-8") as f:
             return list(csv.DictReader(f))
@@ -267,6 +268,9 @@ def write_config_file(run_dir: Path, config: Any) -> Path:
     path = run_dir / CONFIG_FILE
     text = "# The resolved settings of this run: isotrain train --config FILE reads them back.\n"
     with writing(path, run_dir):
+        for name in (CONFIG_FILE, METRICS_FILE, RUN_TOKENIZER):  # what a killed run left
+            for stale in run_dir.glob(f".{name}.tmp*"):
+                remove_leftover(stale)
         _replace(path, text + to_toml(config))
     return path
 
@@ -281,12 +285,4 @@ def _inside(run_dir: Path, name: str) -> Path:
 
 def _replace(path: Path, text: str) -> None:
     """Write `path` whole through a fresh temporary file (never through a link) and rename."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    replace_file(path, text)

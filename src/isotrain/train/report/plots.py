@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from isotrain.train.files import make_dir, new_file
 from isotrain.train.rundir.metrics import read_metrics
 
 __all__ = ["loss_figure", "plot_run", "skips", "summarize_run"]
@@ -64,14 +65,16 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "plots need matplotlib, which is not installed; try pip install 'isotrain[plots]'"
         ) from e
     records = read_metrics(run_dir)
-    out = Path(out_dir or run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_dir(out_dir or run_dir, follow=True)  # a folder the user named
     written = []
 
     def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
+        try:
+            fig.tight_layout()
+            with new_file(out / name) as f:  # never through a link or FIFO planted there
+                fig.savefig(f, dpi=110, format="png")
+        finally:
+            plt.close(fig)
         written.append(out / name)
 
     save(loss_figure(plt, records), "loss.png")

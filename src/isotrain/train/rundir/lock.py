@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from isotrain.train.config import ConfigError
+from isotrain.train.files import PlantedPathError, open_regular
 from isotrain.train.parallel import DistInfo, any_rank
 from isotrain.train.rundir.writes import WriteError, writing
 
@@ -43,7 +44,7 @@ def _acquire(run_dir: Path) -> int:
     for _ in range(5):  # the holder may remove the file between our open and our flock
         with writing(path, run_dir):
             run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -88,7 +89,7 @@ def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
     if info.is_main:
         try:
             fd = _acquire(run_dir)
-        except (RunLockedError, WriteError) as e:
+        except (RunLockedError, WriteError, PlantedPathError) as e:
             error = e
     if info.distributed and any_rank(error is not None, info.device):  # sync: once, at start
         error = error or RunLockedError(f"rank 0 could not lock {run_dir}; see its error")

@@ -11,6 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from isotrain.train.files import check_regular
+
 __all__ = ["METRICS_FILE", "metric_lines", "read_metrics"]
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def metric_lines(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], int]:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All readable records of a run's metrics file, in order (unreadable lines: one warning)."""
     path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
+    if not check_regular(path):  # a FIFO or a directory there is refused, never opened
         raise FileNotFoundError(
             f"{path}: no metrics file; try the --out-dir of an isotrain train run"
         )

@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import logging
 import operator
-import os
 import signal
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
 from isotrain.train.fields import flag_value, hints, matches
+from isotrain.train.files import check_regular, remove_leftover, replace_file
 from isotrain.train.rundir.integrity import SnapshotError, check_payload, one_line
 from isotrain.train.rundir.metrics import METRICS_FILE, metric_lines
 from isotrain.train.rundir.sharded import (
@@ -33,7 +33,7 @@ from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot, save_s
 from isotrain.train.rundir.writes import writing
 from isotrain.train.state import Run, TrainState
 
-__all__ = ["StopFlag", "maybe_resume", "save_run", "stop_on_signals"]
+__all__ = ["StopFlag", "StopNow", "maybe_resume", "save_run", "stop_on_signals"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,9 @@ def save_run(run: Run) -> Path | None:
     }
     if info.distributed:
         payload["rng_per_rank"] = gather_to_main(rng)  # collective: every rank gets here
-    step, val, keep = st.step, st.last_val, run.cfg.snapshot.keep
+    # Only a snapshot of the step just evaluated carries a validation loss (BEST candidates).
+    val = st.last_val if run.eval_step == st.step else None
+    step, keep = st.step, run.cfg.snapshot.keep
     if run.cfg.parallel.mode == "fsdp":
         sharded = save_sharded(
             run.cfg.out_dir, run.model, run.optimizer, payload, step=step, val_loss=val, keep=keep
@@ -133,21 +135,16 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     crash or a full disk cut short."""
     path = run_dir / METRICS_FILE
     for stale in run_dir.glob(f".{METRICS_FILE}.tmp*"):  # a rewrite a crash cut short
-        stale.unlink(missing_ok=True)
-    if not path.is_file():
+        remove_leftover(stale)
+    if not check_regular(path):
         return
     lines, torn = metric_lines(path)
     keep = [ln for ln, rec in lines if _at_or_before(rec.get("step", 0), step)]
     if torn:
         log.warning("%s: dropped %d unreadable line(s), cut short by a crash", path, torn)
     if torn or len(keep) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            with writing(path, run_dir):
-                tmp.write_text("".join(ln + "\n" for ln in keep), encoding="utf-8")
-                tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with writing(path, run_dir):
+            replace_file(path, "".join(ln + "\n" for ln in keep))
 
 
 def _at_or_before(value: Any, step: int) -> bool:
@@ -230,13 +227,26 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checks it between steps and snapshots before exiting."""
+    """Set by SIGTERM/SIGINT; the loop checks it between steps and snapshots before exiting.
+
+    While `urgent` (the end-of-run sample, which has nothing to save), a signal stops at once.
+    """
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.urgent = False
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class StopNow(KeyboardInterrupt):
+    """A signal that stops the process at once (exit 128 + `signum`): a second SIGINT or
+    SIGTERM, or one while the flag is urgent."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @contextlib.contextmanager
@@ -249,9 +259,10 @@ def stop_on_signals() -> Iterator[StopFlag]:
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
-        if flag_:  # a second signal: the user insists, stop now
-            raise KeyboardInterrupt
-        flag_.signal = signum
+        urgent = bool(flag_) or flag_.urgent  # a second signal: the user insists
+        flag_.signal = flag_.signal or signum
+        if urgent:
+            raise StopNow(signum)
 
     try:
         for s in old:

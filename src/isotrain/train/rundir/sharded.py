@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.train.config import ConfigError
+from isotrain.train.files import remove_leftover
 from isotrain.train.rundir.integrity import SnapshotError, one_line
 from isotrain.train.rundir.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
 from isotrain.train.rundir.writes import write_error, writing
@@ -121,7 +122,7 @@ def save_sharded(
     if rank == 0:
         with writing(tmp, run_dir):
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_leftover(tmp)
             tmp.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -16,8 +16,10 @@ altered or malformed snapshot is reported in one warning line and the previous o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from isotrain.train.files import new_file, remove_leftover, replace_file
 from isotrain.train.rundir.integrity import (
     SNAPSHOT_NAME,
     SnapshotError,
@@ -69,17 +72,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write a small file through a temporary name and a rename (the temporary never stays)."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    """Write a small file through a fresh temporary and a rename (the temporary never stays;
+    a link, FIFO or directory planted at `path` is refused)."""
+    replace_file(path, data, sync=True)
 
 
 def snapshots_dir(run_dir: str | Path) -> Path:
@@ -103,7 +98,7 @@ def save_snapshot(
     tmp = temp_dir(root, step, os.getpid())
     with writing(tmp, run_dir):
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_leftover(tmp)
         tmp.mkdir()
     return publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
 
@@ -116,10 +111,8 @@ def temp_dir(root: Path, step: int, token: int) -> Path:
 def _complete(tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None) -> None:
     """Write state.pt and meta.json (with the sha256 of every file, shards included)."""
     sharded = (tmp / SHARDS).is_dir()
-    with (tmp / "state.pt").open("wb") as f:
+    with new_file(tmp / "state.pt", sync=True) as f:
         torch.save({"format_version": FORMAT_VERSION, **payload, "sharded": sharded}, f)
-        f.flush()
-        os.fsync(f.fileno())
     files = {"state.pt": sha256(tmp / "state.pt")}
     if sharded:
         shards = sorted(p for p in (tmp / SHARDS).iterdir() if p.is_file())
@@ -149,8 +142,8 @@ def publish(
     try:
         with writing(f"the snapshot of step {step} ({tmp})", root.parent):
             _complete(tmp, payload, step=step, val_loss=val_loss)
-            if final.is_symlink():  # planted: remove the link, never what it points to
-                final.unlink()
+            if final.is_symlink() or (final.exists() and not final.is_dir()):
+                final.unlink()  # planted: remove the link (or FIFO), never what it points to
             elif final.exists():  # re-saving the same step (e.g. the final snapshot)
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -159,12 +152,19 @@ def publish(
     with writing(f"the pointers of {root}", root.parent):
         _fsync_dir(root)
         _write_atomic(root / "LATEST", name.encode())
-        best = read_pointer(root / "BEST")
-        best_loss = _val_loss(root / best) if best else None
-        if val_loss is not None and (best_loss is None or val_loss <= best_loss):
+        if _is_best(root, val_loss):
             _write_atomic(root / "BEST", name.encode())
         _prune(root, keep)
     return final
+
+
+def _is_best(root: Path, val_loss: float | None) -> bool:
+    """A snapshot written at an evaluation whose loss beats BEST's (a tie keeps the older)."""
+    if val_loss is None or not math.isfinite(val_loss):
+        return False
+    best = read_pointer(root / "BEST")
+    best_loss = _val_loss(root / best) if best and (root / best).is_dir() else None
+    return best_loss is None or val_loss < best_loss
 
 
 def _val_loss(snap: Path) -> float | None:
@@ -181,13 +181,11 @@ def _prune(root: Path, keep: int) -> None:
     temporary (the run directory's lock makes this process its only writer)."""
     protected = {read_pointer(root / "BEST"), read_pointer(root / "LATEST")}
     for snap in find_snapshots(root.parent)[:-keep]:
-        if snap.name not in protected:
-            shutil.rmtree(snap, ignore_errors=True)
+        if snap.name not in protected:  # renamed first: a reader sees it whole or not at all
+            with contextlib.suppress(OSError):
+                os.replace(snap, temp_dir(root, _step(snap), os.getpid()))
     for stale in [*root.glob(".tmp_*"), *root.glob(".*.tmp*")]:
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
+        remove_leftover(stale)
 
 
 def _step(snap: Path) -> int:
@@ -254,6 +252,33 @@ def load_snapshot(
     reported with one warning line and the previous one is used.
     """
     root = snapshots_dir(run_dir)
+    damaged: dict[Path, str] = {}
+    for _ in range(_RELISTS):  # each round after the pruner removed what this one was reading
+        order = _order(root, run_dir, which)
+        for snap in (s for s in order if s not in damaged):
+            try:
+                payload = _verify(snap, root)
+                if check is not None:
+                    check(payload, snap)
+                return payload, snap
+            except SnapshotError as e:
+                if not os.path.lexists(snap):  # pruned while being read: list them again
+                    break
+                log.warning("skipping damaged snapshot: %s", e)
+                damaged[snap] = str(e)
+        else:
+            break
+    raise SnapshotError(
+        f"{run_dir}: every snapshot is damaged ({len(damaged)} tried, each reported above); "
+        "try another run directory, or a new --out-dir"
+    )
+
+
+_RELISTS = 100  # a reader racing a run that prunes every step wins long before this
+
+
+def _order(root: Path, run_dir: str | Path, which: str) -> list[Path]:
+    """The snapshots to try: the one the pointer names, then the others, newest first."""
     found = sorted((p for p in root.glob("step_*") if SNAPSHOT_NAME.fullmatch(p.name)), key=_step)
     if not found:
         raise SnapshotError(
@@ -266,18 +291,4 @@ def load_snapshot(
             "%s names %s, which does not exist: using the newest snapshot", pointer_file, pointer
         )
     order = [root / pointer] if pointer is not None and root / pointer in found else []
-    order += [s for s in reversed(found) if s not in order]
-    errors = []
-    for snap in order:
-        try:
-            payload = _verify(snap, root)
-            if check is not None:
-                check(payload, snap)
-            return payload, snap
-        except SnapshotError as e:
-            log.warning("skipping damaged snapshot: %s", e)
-            errors.append(str(e))
-    raise SnapshotError(
-        f"{run_dir}: every snapshot is damaged ({len(errors)} tried, each reported above); "
-        "try another run directory, or a new --out-dir"
-    )
+    return order + [s for s in reversed(found) if s not in order]

@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from isotrain.train.files import open_regular
 from isotrain.train.rundir.integrity import read_pointer
 
 __all__ = ["WriteError", "append_line", "write_error", "writing"]
@@ -58,9 +59,9 @@ def write_error(
 
 def append_line(path: Path, line: str) -> None:
     """Append `line` and a newline in whole: a failed write is cut back off the file, so a
-    full disk never leaves half a record. Never follows a link."""
+    full disk never leaves half a record. Never through a link, a FIFO or a directory."""
     data = memoryview((line + "\n").encode("utf-8"))
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    fd = open_regular(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         start = os.fstat(fd).st_size
         try:

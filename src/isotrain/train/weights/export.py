@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
 from isotrain.train.data.tokenizer import (
@@ -21,6 +20,7 @@ from isotrain.train.data.tokenizer import (
     byte_level_json,
     run_tokenizer,
 )
+from isotrain.train.files import make_dir, new_path, replace_file
 from isotrain.train.model.gpt import GPT
 from isotrain.train.model.hf import gpt2_config, to_gpt2_state
 from isotrain.train.rundir.snapshot import load_snapshot
@@ -31,27 +31,6 @@ __all__ = ["export_hf", "export_run", "export_safetensors", "tokenizer_metadata"
 log = logging.getLogger(__name__)
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux allows (else set and restore)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    old = os.umask(0o022)
-    try:
-        return old
-    finally:
-        os.umask(old)
-
-
-def _ordinary(path: Path) -> Path:
-    """Give `path` the mode a plain `open(path, "w")` would (safetensors writes 0600)."""
-    path.chmod(0o666 & ~_umask())
-    return path
-
-
 def tokenizer_metadata(tok: Tokenizer) -> str:
     """How the isotrain format records a tokenizer: "bytes", "ids", or its JSON."""
     return tok.json if isinstance(tok, HFTokenizer) else tok.kind
@@ -60,16 +39,17 @@ def tokenizer_metadata(tok: Tokenizer) -> str:
 def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write `model`'s weights, its config and its tokenizer (as metadata) to `out`."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent, follow=True)
     meta = {
         "isotrain_model_config": json.dumps(model.cfg.__dict__),
         "isotrain_tokenizer": tokenizer_metadata(tokenizer or ByteTokenizer()),
     }
-    safetensors_module().save_model(model, str(out), metadata=meta)  # drops the tied duplicate
-    return _ordinary(out)
+    with new_path(out) as tmp:  # safetensors writes by name: into a fresh file of ours
+        safetensors_module().save_model(model, str(tmp), metadata=meta)  # drops the tied copy
+    return out
 
 
-def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int, written: list[Path]) -> None:
+def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int) -> list[Path]:
     """tokenizer.json + tokenizer_config.json, or nothing (with a warning) for ids."""
     if isinstance(tok, HFTokenizer):
         text = tok.json
@@ -77,35 +57,33 @@ def _tokenizer_files(tok: Tokenizer, folder: Path, block_size: int, written: lis
         text = byte_level_json()  # ids equal byte values: AutoTokenizer reads text as isotrain
     else:
         log.warning("%s: no tokenizer files: the run trained on ids of unknown text", folder)
-        return
-    written.append(folder / "tokenizer.json")
-    written[-1].write_text(text, encoding="utf-8")
+        return []
+    files = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+    replace_file(files[0], text)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": block_size,
         "clean_up_tokenization_spaces": False,
     }
-    written.append(folder / "tokenizer_config.json")
-    written[-1].write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    replace_file(files[1], json.dumps(config, indent=2) + "\n")
+    return files
 
 
 def export_hf(model: GPT, folder: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     """Write a folder transformers loads as GPT2LMHeadModel (and AutoTokenizer); a failed
     write (a full disk) removes what this call wrote, the folder too if it made it."""
-    root = Path(folder)
-    created = not root.exists()
+    created = not Path(folder).exists()
+    root = make_dir(folder)  # a link planted there (to another model's folder) is refused
     written: list[Path] = []
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        with new_path(root / "model.safetensors") as tmp:
+            safetensors_module().save_file(
+                to_gpt2_state(model), str(tmp), metadata={"format": "pt"}
+            )
         written.append(root / "model.safetensors")
-        state = to_gpt2_state(model)
-        safetensors_module().save_file(state, str(written[-1]), metadata={"format": "pt"})
-        written.append(root / "config.json")
         text = json.dumps(gpt2_config(model.cfg), indent=2) + "\n"
-        written[-1].write_text(text, encoding="utf-8")
-        _tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size, written)
-        for path in written:
-            _ordinary(path)
+        written.append(replace_file(root / "config.json", text))
+        written += _tokenizer_files(tokenizer or ByteTokenizer(), root, model.cfg.block_size)
     except BaseException:
         for path in written:
             with contextlib.suppress(OSError):
