@@ -75,6 +75,7 @@ from isotrain.contexts import (
 )
 from isotrain.guard import (
     FaultInjector,
+    GuardedOptimizer,
     Provenance,
     Rollback,
     RollbackAction,
@@ -100,6 +101,7 @@ __all__ = [
     "CheckpointedTransformerBlock",
     "CompileStats",
     "FaultInjector",
+    "GuardedOptimizer",
     "LSQQuantizer",
     "MemoryReport",
     "Provenance",
