@@ -81,7 +81,7 @@ def _fit(
     base: dict[str, Any] = dict(
         accelerator="cpu", devices=1, max_steps=2 * STEPS_PER_EPOCH, logger=False,
         enable_checkpointing=bool(extra), enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=callbacks,
+        num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=callbacks, log_every_n_steps=1,
         limit_val_batches=0 if val_every is None else 2, val_check_interval=val_every,
     )  # fmt: skip
     trainer = pl.Trainer(**{**base, **kw})

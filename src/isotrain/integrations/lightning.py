@@ -12,8 +12,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
@@ -37,12 +35,17 @@ __all__ = ["GuardCallback"]
 # `teardown` undoes the clip take-over and the validation wrapper.
 
 
+def _guards(trainer: pl.Trainer) -> list[GuardedOptimizer]:
+    return [o for o in trainer.strategy.optimizers if isinstance(o, GuardedOptimizer)]
+
+
 class GuardCallback(pl.Callback):
     """Guard every optimizer step of ``lightning.Trainer.fit`` (automatic optimization).
 
     ``max_norm`` clips by total norm (``None``: ``Trainer(gradient_clip_val=...)`` if set by
     norm, else no clipping); ``guard_options`` go to ``StepGuard`` (``spike_k``, ...).
-    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (this step's ``SkipReason``).
+    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (this step's ``SkipReason``
+    code) at Lightning's log steps and at every skipped step.
 
     Example::
 
@@ -58,8 +61,7 @@ class GuardCallback(pl.Callback):
             raise ValueError("GuardCallback takes no scaler: 16-mixed precision is not supported")
         self.max_norm, self.isolate_eval, self.guard_options = max_norm, isolate_eval, guard_options
         self._undo: list[Callable[[], None]] = []
-        self._steps = 0
-        self._skipped: torch.Tensor | None = None
+        self._steps = self._skipped = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap optimizers and schedulers, take over clipping, isolate validation."""
@@ -121,26 +123,29 @@ class GuardCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Start the logged skip count where a restored guard left it (one host read)."""
-        guards = [o for o in trainer.strategy.optimizers if isinstance(o, GuardedOptimizer)]
+        guards = _guards(trainer)
         self._steps = sum(g.guard.steps for g in guards)
-        skipped = sum(g.guard.summary()["skipped"] for g in guards)  # sync: once per fit
-        self._skipped = torch.tensor(float(skipped), device=pl_module.device)
+        self._skipped = sum(g.guard.summary()["skipped"] for g in guards)  # sync: once per fit
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        """Log the skip count and this step's reason as device tensors (read at log steps only)."""
-        guards = [o for o in trainer.strategy.optimizers if isinstance(o, GuardedOptimizer)]
+        """Log the skip count and this step's reason at Lightning's log steps and on a skip."""
+        guards = _guards(trainer)
         steps = sum(g.guard.steps for g in guards)
-        if steps == self._steps or self._skipped is None:
+        if steps == self._steps:
             return  # an accumulation micro-batch: no optimizer step yet
         self._steps = steps
-        outcomes = [g.last_outcome for g in guards if g.last_outcome is not None]
-        reason = torch.stack([o.reason for o in outcomes]).max().float()
-        skipped = torch.stack([(~o.applied).float() for o in outcomes]).sum()
-        self._skipped = self._skipped + skipped.to(self._skipped.device)
-        pl_module.log("skipped_steps", self._skipped, on_step=True, on_epoch=False)
-        pl_module.log("skip_reason", reason, on_step=True, on_epoch=False)
+        # sync: one host read per step on an accelerator, the one the skip-aware LR makes
+        skipped = [g for g in guards if not g.applied]
+        self._skipped += len(skipped)
+        # Lightning's log() costs ~1 ms a call here: call it only where its logger would write
+        # (its own test for that; without one, every step) or where a skip must be seen.
+        connector = getattr(trainer, "_logger_connector", None)
+        if skipped or connector is None or connector.should_update_logs:
+            reason = max((int(g.last_outcome.reason) for g in skipped if g.last_outcome), default=0)
+            pl_module.log("skipped_steps", float(self._skipped), on_step=True, on_epoch=False)
+            pl_module.log("skip_reason", float(reason), on_step=True, on_epoch=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Give clipping back to the Trainer and unwrap the validation loop."""
