@@ -139,7 +139,7 @@ class GuardCallback(pl.Callback):
         # sync: one host read per step on an accelerator, the one the skip-aware LR makes
         skipped = [g for g in guards if not g.applied]
         self._skipped += len(skipped)
-        # Lightning's log() costs ~1 ms a call here: call it only where its logger would write
+        # Lightning's log() is costly per call: call it only where its logger would write
         # (its own test for that; without one, every step) or where a skip must be seen.
         connector = getattr(trainer, "_logger_connector", None)
         if skipped or connector is None or connector.should_update_logs:
