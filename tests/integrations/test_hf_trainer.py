@@ -188,3 +188,8 @@ def test_a_missing_transformers_is_a_one_line_error_naming_the_extra() -> None:
         "pip install 'isotrain[transformers]' "
         "(in a clone of isotrain: .venv/bin/pip install -e '.[transformers]')"
     )
+
+
+def test_max_norm_and_the_scaler_come_from_the_trainer_not_guard_options(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"max_norm from args.max_grad_norm and the scaler"):
+        GuardedTrainer(model=_model(), args=_args(tmp_path), guard_options={"max_norm": 2.0})

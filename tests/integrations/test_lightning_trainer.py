@@ -113,7 +113,7 @@ def test_a_nan_gradient_is_skipped_bitwise_with_the_lr_held_and_logged(kw: dict[
     assert rec.logged[K + 1] == (1, 0)
     guard = trainer.optimizers[0].guard
     assert guard.summary()["skipped_by_reason"]["NONFINITE_GRAD"] == 1
-    assert trainer.gradient_clip_val == 1.0  # handed back after fit
+    assert guard.max_norm == 1.0 and trainer.gradient_clip_val == 1.0  # the guard clipped
 
     plain, _ = _fit(guarded=False, **kw)  # the contrast: the NaN reaches the weights
     assert not _finite(plain)
@@ -172,3 +172,17 @@ def test_a_missing_lightning_is_a_one_line_error_naming_the_extra() -> None:
         "pip install 'isotrain[lightning]' "
         "(in a clone of isotrain: .venv/bin/pip install -e '.[lightning]')"
     )
+
+
+def test_a_clip_norm_that_disagrees_and_a_grad_scaler_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) and GuardCallback\(max_norm"):
+        pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+            gradient_clip_val=1.0, callbacks=[GuardCallback(max_norm=0.5)],
+        ).fit(_Module(), _loader())  # fmt: skip
+    scaled = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"does not support a GradScaler \(precision='16-mixed'\)"):
+        pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+            plugins=[scaled], callbacks=[GuardCallback()],
+        ).fit(_Module(), _loader())  # fmt: skip

@@ -92,7 +92,8 @@ class GuardCallback(pl.Callback):
 
     def _take_clipping(self, trainer: pl.Trainer) -> float | None:
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-        if clip is None or algorithm != "norm":
+        by_norm = str(getattr(algorithm, "value", algorithm) or "norm") == "norm"  # its default
+        if clip is None or not by_norm:
             return self.max_norm
         if self.max_norm is not None and float(clip) != self.max_norm:
             raise ValueError(
