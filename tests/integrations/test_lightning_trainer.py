@@ -13,6 +13,7 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from isotrain.guard import GuardedOptimizer  # noqa: E402
 from isotrain.integrations.lightning import GuardCallback  # noqa: E402
 
 K = 3  # the optimizer step (1-based: trainer.global_step after it) whose gradient is NaN
@@ -186,3 +187,40 @@ def test_a_clip_norm_that_disagrees_and_a_grad_scaler_are_refused_with_the_reaso
             accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
             plugins=[scaled], callbacks=[GuardCallback()],
         ).fit(_Module(), _loader())  # fmt: skip
+
+
+class _Manual(_Module):
+    """Manual optimization: the module wraps its optimizer in GuardedOptimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self.armed = self.trainer.global_step + 1 == K
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.optimizer.observe_loss(loss)  # the LightningOptimizer's GuardedOptimizer
+        opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return GuardedOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2), self)
+
+
+def test_manual_optimization_uses_guarded_optimizer_directly() -> None:
+    module = _Manual()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2 * STEPS_PER_EPOCH, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    guard = trainer.optimizers[0].guard
+    assert guard.summary()["skipped_by_reason"]["NONFINITE_GRAD"] == 1 and guard.steps == 8
+    assert _finite(trainer)
+    with pytest.raises(ValueError, match="GuardCallback guards automatic optimization"):
+        pl.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+            callbacks=[GuardCallback()],
+        ).fit(_Manual(), _loader())  # fmt: skip
