@@ -175,18 +175,20 @@ def test_a_missing_lightning_is_a_one_line_error_naming_the_extra() -> None:
     )
 
 
+def _bare(**kw: Any) -> Any:
+    """A one-step Trainer that writes nothing (no logger, no checkpoint)."""
+    return pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, **kw)  # fmt: skip
+
+
 def test_a_clip_norm_that_disagrees_and_a_grad_scaler_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) and GuardCallback\(max_norm"):
-        pl.Trainer(
-            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-            gradient_clip_val=1.0, callbacks=[GuardCallback(max_norm=0.5)],
-        ).fit(_Module(), _loader())  # fmt: skip
+        _bare(gradient_clip_val=1.0, callbacks=[GuardCallback(max_norm=0.5)]).fit(
+            _Module(), _loader()
+        )
     scaled = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
     with pytest.raises(ValueError, match=r"does not support a GradScaler \(precision='16-mixed'\)"):
-        pl.Trainer(
-            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-            plugins=[scaled], callbacks=[GuardCallback()],
-        ).fit(_Module(), _loader())  # fmt: skip
+        _bare(plugins=[scaled], callbacks=[GuardCallback()]).fit(_Module(), _loader())
 
 
 class _Manual(_Module):
@@ -220,7 +222,4 @@ def test_manual_optimization_uses_guarded_optimizer_directly() -> None:
     assert guard.summary()["skipped_by_reason"]["NONFINITE_GRAD"] == 1 and guard.steps == 8
     assert _finite(trainer)
     with pytest.raises(ValueError, match="GuardCallback guards automatic optimization"):
-        pl.Trainer(
-            accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
-            callbacks=[GuardCallback()],
-        ).fit(_Manual(), _loader())  # fmt: skip
+        _bare(callbacks=[GuardCallback()]).fit(_Manual(), _loader())
