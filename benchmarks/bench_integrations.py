@@ -156,7 +156,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add_common_args(p)
     p.add_argument("--steps", type=int, default=30, help="steps per run (one run per round)")
     p.add_argument("--min-rounds", type=int, default=12)
-    p.add_argument("--max-rounds", type=int, default=24)
+    p.add_argument("--max-rounds", type=int, default=36)
     p.add_argument("--clock", choices=["cpu", "wall"], default=None)
     args = p.parse_args(argv)
     if args.quick:
