@@ -193,3 +193,15 @@ def test_a_missing_transformers_is_a_one_line_error_naming_the_extra() -> None:
 def test_max_norm_and_the_scaler_come_from_the_trainer_not_guard_options(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"max_norm from args.max_grad_norm and the scaler"):
         GuardedTrainer(model=_model(), args=_args(tmp_path), guard_options={"max_norm": 2.0})
+
+
+def test_a_second_train_call_keeps_one_guard_and_its_counters(tmp_path: Path) -> None:
+    trainer = GuardedTrainer(model=_model(), args=_args(tmp_path), train_dataset=_data())
+    trainer.train()
+    trainer.train()
+    chain, opt = [], trainer.optimizer
+    while opt is not None:
+        chain.append(type(opt).__name__)
+        opt = getattr(opt, "optimizer", None)
+    assert chain == ["GuardedOptimizer", "AcceleratedOptimizer", "AdamW"]
+    assert trainer.optimizer.guard.steps == 12

@@ -95,6 +95,9 @@ class GuardedTrainer(Trainer):
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
         """Wrap the accelerate-prepared optimizer in a GuardedOptimizer; build the LR schedule."""
+        again = getattr(self.optimizer, "optimizer", None)
+        if isinstance(again, GuardedOptimizer):  # a second train(): accelerate wrapped ours again
+            self.optimizer = again  # keep the guard (and its counters) and the wrapper inside it
         if self._guarded() is None and self.optimizer is not None:
             clip = self.args.max_grad_norm
             self.optimizer = GuardedOptimizer(
