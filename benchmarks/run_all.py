@@ -69,6 +69,7 @@ KNOWN = (
     Bench("overhead", "bench_overhead.py"),
     Bench("mfu", "bench_mfu.py"),
     Bench("profile", "bench_profile.py"),
+    Bench("integrations", "bench_integrations.py"),
     Bench("gpu", "gpu_suite.py", ("--dry-run",), cuda_only=True),
 )
 

@@ -225,6 +225,11 @@ EXPECTED = {
         "| context | isotrain (µs) | % of a tiny step | reference | reference (µs) | ratio |",
         {"state restored"},
     ),
+    "integrations": (
+        "| framework | variant | ms/step (median) | step time vs plain, paired [95% CI] "
+        "| CI half-width | skipped |",
+        {"equal weights", "no skipped steps"},
+    ),
     "qat": (
         "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
         {"finished, finite"},

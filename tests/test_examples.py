@@ -130,6 +130,36 @@ def check_hf_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "state leaks: none" in out
 
 
+def _step_line(out: str, step: int) -> tuple[str, str]:
+    """(lr, rest of the line) of an example's "step N  loss L  lr R  ..." log line."""
+    lr, rest = grab(rf"step {step:3d}  loss {NUM}  lr {NUM}  (.*)", out)[1:]
+    return lr, rest
+
+
+def check_hf_trainer(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    out = run("hf_trainer", capsys)
+    (lr4, ok4), (lr5, skip5), (lr6, ok6) = (_step_line(out, s) for s in (4, 5, 6))
+    assert skip5 == "grad_norm nan  skipped_steps 1 (NONFINITE_GRAD)"
+    assert ok4.endswith("skipped_steps 0 (OK)") and ok6.endswith("skipped_steps 0 (OK)")
+    assert lr6 == lr5 != lr4  # the schedule did not advance on the skipped step
+    first, last = grab(rf"eval loss {NUM} -> {NUM}, params finite: True", out)
+    assert float(last) < float(first)
+    assert "11/12 steps applied" in out
+    assert "plain Trainer with the same NaN: params finite: False" in out
+
+
+def check_lightning_trainer(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("lightning")
+    out = run("lightning_trainer", capsys)
+    (lr4, ok4), (lr5, skip5), (lr6, ok6) = (_step_line(out, s) for s in (4, 5, 6))
+    assert (ok4, skip5, ok6) == ("skipped_steps 0 (OK)", "skipped_steps 1 (NONFINITE_GRAD)",
+                                 "skipped_steps 1 (OK)")  # fmt: skip
+    assert lr5 == lr4 != lr6  # the schedule did not advance on the skipped step
+    assert "11/12 steps applied" in out and "params finite: True" in out
+    assert "plain Lightning with the same NaN: params finite: False" in out
+
+
 CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "seed_loop": check_seed_loop,
     "qat_finetune": check_qat_finetune,
@@ -138,6 +168,8 @@ CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "compile_buckets": check_compile_buckets,
     "cpu_bf16": check_cpu_bf16,
     "hf_transformers": check_hf_transformers,
+    "hf_trainer": check_hf_trainer,
+    "lightning_trainer": check_lightning_trainer,
 }
 
 

@@ -85,6 +85,23 @@ def test_the_trainer_imports_only_public_packages() -> None:
             )
 
 
+FRAMEWORKS = {"transformers", "lightning", "pytorch_lightning"}
+
+
+def test_integrations_import_public_packages_and_their_frameworks_only() -> None:
+    allowed = {"isotrain", *(f"isotrain.{p}" for p in PATTERNS), *SHARED}
+    for module, targets in GRAPH.items():
+        if module.startswith("isotrain.integrations"):
+            for target in targets:
+                assert target in allowed or target.startswith("isotrain.integrations"), (
+                    f"{module} imports {target}: integrations use the public packages only"
+                )
+            outside = THIRD_PARTY[module] - set(sys.stdlib_module_names) - {"torch"} - FRAMEWORKS
+            assert not outside, f"{module} imports {sorted(outside)}"
+        else:
+            assert not [t for t in targets if t.startswith("isotrain.integrations")], module
+
+
 # The trainer's rooms (sub-packages) and top-level modules, from the top of the import graph
 # down: each may import only what stands below it. Read the README's layout section with it.
 TRAINER_ORDER = (

@@ -77,6 +77,7 @@ from isotrain.contexts import (
 )
 from isotrain.guard import (
     FaultInjector,
+    GuardedOptimizer,
     Provenance,
     Rollback,
     RollbackAction,
@@ -102,6 +103,7 @@ __all__ = [
     "CheckpointedTransformerBlock",
     "CompileStats",
     "FaultInjector",
+    "GuardedOptimizer",
     "LSQQuantizer",
     "MemoryReport",
     "Provenance",

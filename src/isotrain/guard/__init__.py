@@ -1,6 +1,7 @@
 """Non-finite and spike guard: a NaN/Inf or spiking step never reaches the weights.
 
 ``StepGuard`` decides on the device and skips by selection (never multiply-by-0);
+``GuardedOptimizer`` is the same step behind the ``torch.optim.Optimizer`` interface;
 ``Rollback``, ``find_nonfinite_source`` and ``FaultInjector`` recover, explain and rehearse.
 This ``__init__`` is the package's whole public API; the ``_``-modules behind it are private.
 """
@@ -19,9 +20,11 @@ from isotrain.guard._recovery import (
 from isotrain.guard._safe import safe_backward
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
 from isotrain.guard._step import StepGuard
+from isotrain.guard._wrapped import GuardedOptimizer
 
 __all__ = [
     "FaultInjector",
+    "GuardedOptimizer",
     "HostSpikeDetector",
     "Provenance",
     "Rollback",

@@ -1,0 +1,156 @@
+"""isotrain's guard inside ``lightning.Trainer``: add ``GuardCallback()`` to its callbacks.
+
+Under automatic optimization every optimizer step becomes a ``GuardedOptimizer`` step: a NaN/Inf
+loss or gradient or a spike leaves weights, moments and the LR schedule as they were, and
+``skipped_steps`` / ``skip_reason`` are logged. Validation runs under ``eval_mode`` +
+``rng_isolated``. NOTE [how GuardCallback hooks in] says where and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from isotrain.contexts import eval_mode, rng_isolated
+from isotrain.guard import GuardedOptimizer
+from isotrain.integrations._extra import missing_extra
+
+try:
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - exercised by the missing-extra test
+    raise missing_extra(__name__, "lightning", "lightning") from None
+
+__all__ = ["GuardCallback"]
+
+# NOTE [how GuardCallback hooks in]
+# `on_fit_start` runs after the strategy built the optimizers and schedulers and before a
+# checkpoint is restored into them. There each torch optimizer is wrapped in a GuardedOptimizer
+# (Lightning wraps that in its LightningOptimizer and calls its `step(closure)`: the closure runs
+# forward and backward, its loss is what the guard checks), each LR scheduler is wrapped
+# `skip_aware`, and the guard takes over `gradient_clip_val` (norm clipping) so clipping happens
+# once, after the decision is known. Its state rides inside the optimizer's state dict, hence in
+# every Lightning checkpoint. The validation loop's `run` is wrapped in eval_mode + rng_isolated
+# (the whole run: its DataLoader iterator draws a seed from the global RNG before any hook).
+# `teardown` undoes the clip take-over and the validation wrapper.
+
+
+def _guards(trainer: pl.Trainer) -> list[GuardedOptimizer]:
+    return [o for o in trainer.strategy.optimizers if isinstance(o, GuardedOptimizer)]
+
+
+class GuardCallback(pl.Callback):
+    """Guard every optimizer step of ``lightning.Trainer.fit`` (automatic optimization).
+
+    ``max_norm`` clips by total norm (``None``: ``Trainer(gradient_clip_val=...)`` if set by
+    norm, else no clipping); ``guard_options`` go to ``StepGuard`` (``spike_k``, ...).
+    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (this step's ``SkipReason``
+    code) at Lightning's log steps and at every skipped step.
+
+    Example::
+
+        trainer = lightning.Trainer(max_steps=100, callbacks=[GuardCallback()])
+        trainer.fit(module, loader)
+        trainer.optimizers[0].guard.summary()  # {"skipped": 1, "skipped_by_reason": {...}, ...}
+    """
+
+    def __init__(
+        self, *, max_norm: float | None = None, isolate_eval: bool = True, **guard_options: Any
+    ) -> None:
+        if "scaler" in guard_options:
+            raise ValueError("GuardCallback takes no scaler: 16-mixed precision is not supported")
+        self.max_norm, self.isolate_eval, self.guard_options = max_norm, isolate_eval, guard_options
+        self._undo: list[Callable[[], None]] = []
+        self._steps = self._skipped = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Wrap optimizers and schedulers, take over clipping, isolate validation."""
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            raise ValueError(
+                "GuardCallback does not support a GradScaler (precision='16-mixed'): Lightning "
+                "steps the scaler itself around the optimizer; use precision='bf16-mixed'"
+            )
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "GuardCallback guards automatic optimization; with manual optimization wrap "
+                "your optimizer in isotrain.guard.GuardedOptimizer yourself"
+            )
+        max_norm = self._take_clipping(trainer)
+        wrapped = {
+            id(o): o if isinstance(o, GuardedOptimizer) else
+            GuardedOptimizer(o, pl_module, max_norm=max_norm, **self.guard_options)
+            for o in trainer.strategy.optimizers
+        }  # fmt: skip
+        by_inner = {id(g.optimizer): g for g in wrapped.values()}
+        trainer.strategy.optimizers = list(wrapped.values())
+        for config in trainer.lr_scheduler_configs:
+            guarded = by_inner.get(id(getattr(config.scheduler, "optimizer", None)))
+            if guarded is not None and not config.reduce_on_plateau:
+                config.scheduler = guarded.skip_aware(config.scheduler)
+        if self.isolate_eval:
+            self._isolate_validation(trainer, pl_module)
+
+    def _take_clipping(self, trainer: pl.Trainer) -> float | None:
+        clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+        by_norm = str(getattr(algorithm, "value", algorithm) or "norm") == "norm"  # its default
+        if clip is None or not by_norm:
+            return self.max_norm
+        if self.max_norm is not None and float(clip) != self.max_norm:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={clip}) and GuardCallback(max_norm={self.max_norm}) "
+                "disagree: set one of them (the guard clips, after its decision)"
+            )
+        trainer.gradient_clip_val = None
+
+        def restore() -> None:
+            trainer.gradient_clip_val = clip
+
+        self._undo.append(restore)
+        return float(clip)
+
+    def _isolate_validation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loop = trainer.fit_loop.epoch_loop.val_loop
+        run = loop.run
+
+        def isolated_run() -> Any:
+            with eval_mode(pl_module, no_grad=False), rng_isolated():
+                return run()
+
+        def restore() -> None:
+            vars(loop).pop("run", None)  # the class's own `run` shows through again
+
+        loop.run = isolated_run  # type: ignore[method-assign]
+        self._undo.append(restore)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Start the logged skip count where a restored guard left it (one host read)."""
+        guards = _guards(trainer)
+        self._steps = sum(g.guard.steps for g in guards)
+        self._skipped = sum(g.guard.summary()["skipped"] for g in guards)  # sync: once per fit
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        """Log the skip count and this step's reason at Lightning's log steps and on a skip."""
+        guards = _guards(trainer)
+        steps = sum(g.guard.steps for g in guards)
+        if steps == self._steps:
+            return  # an accumulation micro-batch: no optimizer step yet
+        self._steps = steps
+        # sync: one host read per step on an accelerator, the one the skip-aware LR makes
+        skipped = [g for g in guards if not g.applied]
+        self._skipped += len(skipped)
+        # Lightning's log() is costly per call: call it only where its logger would write
+        # (its own test for that; without one, every step) or where a skip must be seen.
+        connector = getattr(trainer, "_logger_connector", None)
+        if skipped or connector is None or connector.should_update_logs:
+            reason = max((int(g.last_outcome.reason) for g in skipped if g.last_outcome), default=0)
+            pl_module.log("skipped_steps", float(self._skipped), on_step=True, on_epoch=False)
+            pl_module.log("skip_reason", float(reason), on_step=True, on_epoch=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Give clipping back to the Trainer and unwrap the validation loop."""
+        with contextlib.ExitStack() as stack:
+            for undo in reversed(self._undo):
+                stack.callback(undo)
+            self._undo.clear()

@@ -1,0 +1,225 @@
+"""GuardCallback with the real lightning.Trainer on a tiny random-init MLP, on the CPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from isotrain.guard import GuardedOptimizer  # noqa: E402
+from isotrain.integrations.lightning import GuardCallback  # noqa: E402
+
+K = 3  # the optimizer step (1-based: trainer.global_step after it) whose gradient is NaN
+STEPS_PER_EPOCH = K + 1  # the resume test's checkpoint ends the first epoch, after the skip
+
+
+class _Module(pl.LightningModule):
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(dropout), nn.Linear(16, 1))
+        self.armed = False
+        self.net[3].weight.register_hook(lambda g: g * float("nan") if self.armed else g)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self.net(x) - y).square().mean()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        torch.rand(1)  # an evaluation that draws from the global RNG
+        self.log("val_loss", (self.net(x) - y).square().mean())
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _loader(n_batches: int = STEPS_PER_EPOCH, *, same: bool = False) -> Any:
+    g = torch.Generator().manual_seed(1)
+    x = (
+        torch.randn(4, 6, generator=g).repeat(n_batches, 1)
+        if same
+        else torch.randn(n_batches * 4, 6, generator=g)
+    )
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+    return torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+
+
+class _Recorder(pl.Callback):
+    """Arms the NaN at step `nan_at`; snapshots weights, moments, LR and logged skips per step."""
+
+    def __init__(self, nan_at: int | None) -> None:
+        self.nan_at, self.snaps, self.lrs, self.logged = nan_at, {}, {}, {}
+
+    def on_train_batch_start(self, trainer: Any, module: Any, *a: Any) -> None:
+        module.armed = trainer.global_step + 1 == self.nan_at
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *a: Any) -> None:
+        opt, s = trainer.optimizers[0], trainer.global_step
+        params = [p.detach().clone() for p in module.parameters()]
+        self.snaps[s] = params + [v.clone() for st in opt.state.values() for v in st.values()]
+        self.lrs[s] = opt.param_groups[0]["lr"]
+        metrics = trainer.callback_metrics
+        if "skipped_steps" in metrics:
+            self.logged[s] = (int(metrics["skipped_steps"]), int(metrics["skip_reason"]))
+
+
+def _fit(
+    *, guarded: bool, nan_at: int | None = K, dropout: float = 0.0, ckpt: str | None = None,
+    val_every: int | None = None, extra: tuple[Any, ...] = (), same: bool = False, **kw: Any,
+) -> tuple[Any, _Recorder]:  # fmt: skip
+    rec = _Recorder(nan_at)
+    callbacks = [GuardCallback(), rec, *extra] if guarded else [rec, *extra]
+    base: dict[str, Any] = dict(
+        accelerator="cpu", devices=1, max_steps=2 * STEPS_PER_EPOCH, logger=False,
+        enable_checkpointing=bool(extra), enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, gradient_clip_val=1.0, callbacks=callbacks, log_every_n_steps=1,
+        limit_val_batches=0 if val_every is None else 2, val_check_interval=val_every,
+    )  # fmt: skip
+    trainer = pl.Trainer(**{**base, **kw})
+    module = _Module(dropout)
+    val = _loader(2) if val_every else None
+    trainer.fit(module, _loader(same=same), val_dataloaders=val, ckpt_path=ckpt)
+    return trainer, rec
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _finite(trainer: Any) -> bool:
+    return all(bool(p.isfinite().all()) for p in trainer.lightning_module.parameters())
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}],
+    ids=["fp32", "accum2", "bf16"],
+)  # fmt: skip
+def test_a_nan_gradient_is_skipped_bitwise_with_the_lr_held_and_logged(kw: dict[str, Any]) -> None:
+    trainer, rec = _fit(guarded=True, **kw)
+    assert _same(rec.snaps[K], rec.snaps[K - 1])  # params, exp_avg, exp_avg_sq and step
+    assert not _same(rec.snaps[K + 1], rec.snaps[K])
+    assert rec.lrs[K] == rec.lrs[K - 1] and rec.lrs[K + 1] != rec.lrs[K]
+    assert _finite(trainer)
+    assert rec.logged[K] == (1, 2) and rec.logged[K - 1] == (0, 0)  # 2: NONFINITE_GRAD
+    assert rec.logged[K + 1] == (1, 0)
+    guard = trainer.optimizers[0].guard
+    assert guard.summary()["skipped_by_reason"]["NONFINITE_GRAD"] == 1
+    assert guard.max_norm == 1.0 and trainer.gradient_clip_val == 1.0  # the guard clipped
+
+    plain, _ = _fit(guarded=False, **kw)  # the contrast: the NaN reaches the weights
+    assert not _finite(plain)
+
+
+def test_without_a_nan_the_guarded_run_equals_the_plain_one_bitwise() -> None:
+    _, guarded = _fit(guarded=True, nan_at=None)
+    _, plain = _fit(guarded=False, nan_at=None)
+    assert guarded.snaps.keys() == plain.snaps.keys()
+    assert all(_same(guarded.snaps[s], plain.snaps[s]) for s in plain.snaps)
+    assert guarded.lrs == plain.lrs
+
+
+def test_resume_from_a_checkpoint_after_the_skip_equals_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    # Lightning restarts a plain DataLoader when it resumes (its first epoch after the
+    # checkpoint replays batches): with every batch the same, the order cannot matter.
+    every_epoch = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+    )
+    whole, rec = _fit(guarded=True, extra=(every_epoch,), same=True)
+    cut = tmp_path / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
+    resumed, again = _fit(guarded=True, ckpt=str(cut), same=True)
+    a, b = (t.optimizers[0].guard.state_dict() for t in (resumed, whole))
+    assert a["steps"] == b["steps"] == 2 * STEPS_PER_EPOCH
+    assert torch.equal(a["by_reason"], b["by_reason"]) and a["by_reason"].tolist() == [
+        7,
+        0,
+        1,
+        0,
+        0,
+        0,
+    ]
+    assert torch.equal(a["spikes"]["values"], b["spikes"]["values"])
+    last = 2 * STEPS_PER_EPOCH
+    assert _same(again.snaps[last], rec.snaps[last]) and again.lrs[last] == rec.lrs[last]
+    assert again.logged[last] == rec.logged[last] == (1, 0)
+
+
+def test_validation_during_training_leaves_the_run_bitwise_the_same() -> None:
+    runs = [_fit(guarded=True, dropout=0.2, val_every=every)[1] for every in (None, 2)]
+    last = 2 * STEPS_PER_EPOCH
+    assert _same(runs[0].snaps[last], runs[1].snaps[last])
+
+
+def test_a_missing_lightning_is_a_one_line_error_naming_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['lightning'] = None\n"
+        "try:\n    import isotrain.integrations.lightning\n"
+        "except ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "isotrain.integrations.lightning needs lightning, which is not installed: "
+        "pip install 'isotrain[lightning]' "
+        "(in a clone of isotrain: .venv/bin/pip install -e '.[lightning]')"
+    )
+
+
+def _bare(**kw: Any) -> Any:
+    """A one-step Trainer that writes nothing (no logger, no checkpoint)."""
+    return pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, **kw)  # fmt: skip
+
+
+def test_a_clip_norm_that_disagrees_and_a_grad_scaler_are_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) and GuardCallback\(max_norm"):
+        _bare(gradient_clip_val=1.0, callbacks=[GuardCallback(max_norm=0.5)]).fit(
+            _Module(), _loader()
+        )
+    scaled = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"does not support a GradScaler \(precision='16-mixed'\)"):
+        _bare(plugins=[scaled], callbacks=[GuardCallback()]).fit(_Module(), _loader())
+
+
+class _Manual(_Module):
+    """Manual optimization: the module wraps its optimizer in GuardedOptimizer itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        self.armed = self.trainer.global_step + 1 == K
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.optimizer.observe_loss(loss)  # the LightningOptimizer's GuardedOptimizer
+        opt.step()
+
+    def configure_optimizers(self) -> Any:
+        return GuardedOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2), self)
+
+
+def test_manual_optimization_uses_guarded_optimizer_directly() -> None:
+    module = _Manual()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2 * STEPS_PER_EPOCH, logger=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module, _loader())
+    guard = trainer.optimizers[0].guard
+    assert guard.summary()["skipped_by_reason"]["NONFINITE_GRAD"] == 1 and guard.steps == 8
+    assert _finite(trainer)
+    with pytest.raises(ValueError, match="GuardCallback guards automatic optimization"):
+        _bare(callbacks=[GuardCallback()]).fit(_Manual(), _loader())
