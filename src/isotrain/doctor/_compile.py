@@ -36,9 +36,11 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 def _fresh_compiled() -> Callable[..., Any]:
+    """torch.compile of a new copy of `_call`, static shapes (each new shape: a new graph, as
+    with compile_model(dynamic=False) and length buckets)."""
     code = _call.__code__.replace()
     fn = types.FunctionType(code, _call.__globals__, "_doctor_trace")
-    return torch.compile(fn, backend="eager")
+    return torch.compile(fn, backend="eager", dynamic=False)
 
 
 def _need_compile(model: nn.Module) -> None:

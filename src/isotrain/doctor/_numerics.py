@@ -19,7 +19,7 @@ from isotrain._torch_private import tree_leaves
 from isotrain.doctor._context import Context, as_loss, params_of
 from isotrain.doctor._finding import Finding
 from isotrain.doctor._probe import probe_ok
-from isotrain.doctor._watch import value_ranges
+from isotrain.doctor._watch import bad_values, value_ranges
 
 __all__ = ["check_nondeterminism", "check_nonfinite", "check_overflow"]
 
@@ -32,7 +32,7 @@ _NAN_FIX = (
 
 def _nonfinite(out: Any) -> int:
     return sum(
-        int((~torch.isfinite(t)).sum())
+        bad_values(t)
         for t in tree_leaves(out)
         if isinstance(t, torch.Tensor) and t.is_floating_point()
     )
@@ -48,7 +48,7 @@ def _first_nonfinite(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
         def hook(mod: nn.Module, args: Any, out: Any, label: str = name or "<root>") -> None:
             if not found and (bad := _nonfinite(out)):
                 found.append(
-                    (label, f"{bad} NaN/Inf value(s) in its output; inputs {value_ranges(args)}")
+                    (label, f"{bad} NaN/+Inf value(s) in its output; inputs {value_ranges(args)}")
                 )
 
         handles.append(m.register_forward_hook(hook))

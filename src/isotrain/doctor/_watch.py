@@ -20,7 +20,7 @@ import torch
 
 from isotrain._torch_private import DispatchMode, tree_leaves
 
-__all__ = ["OpWatch", "Site", "user_site", "value_ranges", "watching"]
+__all__ = ["OpWatch", "Site", "bad_values", "user_site", "value_ranges", "watching"]
 
 aten = torch.ops.aten
 _TORCH = os.path.dirname(torch.__file__)
@@ -175,17 +175,16 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
                     f"{func.overloadpacket.__name__} output reaches {big:.3g} in {t.dtype}, "
                     f"within 64x of its largest finite value {top:.3g}",
                 )
-    if watch.nonfinite is None and any(
-        t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in outs
-    ):
-        inputs_ok = all(
-            bool(torch.isfinite(t).all())
-            for t in tree_leaves(args)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()
-        )
-        if inputs_ok:  # this op made it; later ops only carry it along
-            name = str(func.overloadpacket.__name__)
+    if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
+        floats = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        if not any(t.is_floating_point() and bad_values(t) for t in floats):
+            name = str(func.overloadpacket.__name__)  # this op made it: later ones carry it
             watch.nonfinite = (name, user_site().where, value_ranges(args))
+
+
+def bad_values(t: torch.Tensor) -> int:
+    """NaN and +inf entries: -inf is what attention masks are made of (exp(-inf) = 0)."""
+    return int((torch.isnan(t) | (t == float("inf"))).sum().item())
 
 
 def _risky_input(watch: OpWatch, func: Any, x: torch.Tensor) -> None:
