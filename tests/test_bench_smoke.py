@@ -215,6 +215,11 @@ EXPECTED = {
         "| context | isotrain (µs) | % of a tiny step | reference | reference (µs) | ratio |",
         {"state restored"},
     ),
+    "doctor": (
+        "| model | checks | cold wall s | wall s (median) | CPU s (median) | target "
+        "| findings (error/warning/info) |",
+        {"no error or warning", "state restored"},
+    ),
     "qat": (
         "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
         {"finished, finite"},

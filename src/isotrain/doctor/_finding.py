@@ -106,6 +106,8 @@ class Diagnosis:
                 sev = f"{paint[f.severity]}{sev}\033[0m"
             lines.append(f"{sev} {f.kind:<29} {f.where}")
             for label, text in (("evidence", f.evidence), ("fix", f.fix)):
+                if text == "-":
+                    continue
                 lines += textwrap.wrap(
                     f"{label}: {text}", width, initial_indent=pad, subsequent_indent=pad + "  "
                 )

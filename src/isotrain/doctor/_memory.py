@@ -22,8 +22,8 @@ __all__ = ["check_memory"]
 
 
 def _block_spec(model: nn.Module) -> Any:
-    """None (the children of a ModuleList) when that finds blocks, else the class that repeats
-    most among container children (a ResNet's BasicBlock)."""
+    """None (the children of a ModuleList) when that finds blocks, else the composite class
+    that repeats most among container children (a ResNet's BasicBlock, never a bare Linear)."""
     try:
         find_blocks(model)
         return None
@@ -33,7 +33,10 @@ def _block_spec(model: nn.Module) -> Any:
     for mod in model.modules():
         if isinstance(mod, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
             for child in mod.children():
-                if not isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+                composite = next(child.children(), None) is not None  # a block, not a layer
+                if composite and not isinstance(
+                    child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+                ):
                     counts[type(child)] = counts.get(type(child), 0) + 1
     best = max(counts.items(), key=lambda kv: kv[1], default=(None, 0))
     if best[0] is None or best[1] < 2:
