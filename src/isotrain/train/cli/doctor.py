@@ -29,7 +29,7 @@ from isotrain.train.cli.args import check_output, parse
 from isotrain.train.config import PRESETS, ConfigError
 from isotrain.train.loop import setup
 from isotrain.train.model.gpt import GPT
-from isotrain.train.state import Run, TrainState
+from isotrain.train.state import Batches, Run, TrainState
 from isotrain.train.step import evaluate, train_step
 from isotrain.train.update.updater import build_updater
 
@@ -93,7 +93,8 @@ def _load_setup(target: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _OneBatch:
-    """Stands in for `Batches`: every training micro-batch is the one the doctor hands over."""
+    """Stands in for `Batches` (train_step calls only `get`): every training micro-batch is
+    the one the doctor hands over."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -102,13 +103,14 @@ class _OneBatch:
         return self.x, self.y, self.y.numel()
 
 
-def _run_on(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Any) -> Run:
-    """The run's config and parts around the doctor's copy, at the peak learning rate."""
+def _run_on(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> Run:
+    """The run's config around the doctor's copy and one batch, at the peak learning rate, with
+    an update rule of its own (the guard's state belongs to the copy)."""
     updater = build_updater(run.cfg, model, optimizer, run.dist)
     state = TrainState(step=run.cfg.optim.warmup_steps)
-    gpt = cast(GPT, model)
+    one = cast(Batches, _OneBatch(*batch))
     return dataclasses.replace(
-        run, batches=batches, model=gpt, train_model=model, optimizer=optimizer,
+        run, batches=one, model=cast(GPT, model), train_model=model, optimizer=optimizer,
         updater=updater, state=state,
     )  # fmt: skip
 
@@ -125,11 +127,11 @@ def trainer_setup(preset: str = "tiny", *, out_dir: str, batch_size: int = 4) ->
     run = setup(cfg)
 
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
-        outcome = train_step(_run_on(run, model, optimizer, _OneBatch(*batch)))
+        outcome = train_step(_run_on(run, model, optimizer, batch))
         return outcome["loss"] if isinstance(outcome, dict) else outcome.loss
 
     def eval_fn(model: nn.Module, batches: Any) -> float:
-        return evaluate(_run_on(run, model, run.optimizer, run.batches))
+        return evaluate(dataclasses.replace(run, model=cast(GPT, model), train_model=model))
 
     batches = [tuple(t[:batch_size] for t in run.batches.get("train", i)[:2]) for i in range(2)]
     model = run.train_model
