@@ -11,7 +11,8 @@ of the same shape with a plain loss_fn step. The first call of each is timed on 
 Both wall time and this process's CPU time are reported: on a shared machine wall time waits
 for the neighbours, CPU time does not. Checks: neither setup gets an error or a warning, and
 examine leaves model, parameters, buffers, optimizer and RNG as they were (StateAudit).
-Writes doctor.{md,json} into benchmarks/results/<cpu-kind>/.
+Writes doctor.{md,json} (doctor-<N>thread.* with --threads N other than 2) into
+benchmarks/results/<cpu-kind>/.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "state restored": check(not bad, f"setups examine changed: {bad or 'none'}"),
     }
     res = {"meta": meta, "results": results, "checks": checks}
-    return write_results(out, "doctor", res, markdown(rows, meta, checks))
+    stem = "doctor" if args.quick or args.threads == 2 else f"doctor-{args.threads}thread"
+    return write_results(out, stem, res, markdown(rows, meta, checks))
 
 
 if __name__ == "__main__":
