@@ -148,3 +148,13 @@ def test_diagnosis_orders_errors_first_and_serialises() -> None:
     assert "1 error(s), 1 warning(s), 1 info" in text
     with pytest.raises(ValueError, match="severity"):
         Finding("memory", "fatal", "x", "y", "z")  # type: ignore[arg-type]
+
+
+def test_a_check_that_raises_becomes_a_doctor_error_and_the_others_still_run() -> None:
+    s = zoo.mlp_setup()
+    s["model"].pending = (i for i in range(3))  # a generator: the model cannot be deep-copied
+    d = examine(**s, checks=["batch_mixing", "duplicate_parameter"])
+    (err,) = d.findings
+    assert (err.kind, err.severity, err.where) == ("doctor_error", "error", "batch_mixing")
+    assert err.evidence.startswith("RuntimeError: cannot deep-copy the model and optimizer")
+    assert "duplicate_parameter" in d.checks  # ran (read-only) and found nothing
