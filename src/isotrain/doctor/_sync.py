@@ -13,12 +13,29 @@ from isotrain.doctor._probe import probe_ok
 
 __all__ = ["check_host_sync"]
 
-_FIX = (
-    "keep values on the device: accumulate `total += loss.detach()` and read it every N "
-    "steps (mark that line `# sync:`); decide with torch.where instead of `if t:`; use fixed-"
-    "size ops (torch.where(mask, x, 0)) instead of x[mask] / nonzero; isotrain.guard.StepGuard "
-    "skips non-finite steps with no sync"
+_READ_FIX = (
+    "keep the value on the device: `total += loss.detach()`, read it every N steps on a line "
+    "marked `# sync:`; decide with torch.where instead of `if t:` (isotrain.guard.StepGuard "
+    "skips non-finite steps with no sync)"
 )
+_SIZE_FIX = (
+    "use fixed-size ops: torch.where(mask, x, 0) and a masked mean ((x * mask).sum() / "
+    "mask.sum()) instead of x[mask] / nonzero / masked_select; cross_entropy(ignore_index=...) "
+    "skips targets without selecting them"
+)
+_COMPARE_FIX = "compare on the device: keep (a == b).all() as a tensor and read it at log steps"
+_HOST_FIX = "move values to the host only at log steps, on a line marked `# sync:`"
+
+
+def _fix_for(what: str) -> str:
+    """The fix for the construct the op came from (the `what` of the op watch)."""
+    if what.startswith((".item()", "bool(t)")):
+        return _READ_FIX
+    if what.startswith(("torch.equal", "torch.allclose")):
+        return _COMPARE_FIX
+    if what.startswith((".tolist()", ".numpy()", ".cpu()")):
+        return _HOST_FIX
+    return _SIZE_FIX
 
 
 def check_host_sync(ctx: Context) -> list[Finding]:
@@ -33,6 +50,6 @@ def check_host_sync(ctx: Context) -> list[Finding]:
         elif marked:
             evidence += " (the line is marked `# sync:`: intentional)"
         sev: Severity = "info" if library or marked else "warning"
-        fix = _FIX if sev == "warning" else "none needed here; on an accelerator it waits once"
+        fix = _fix_for(what) if sev == "warning" else "none needed; on an accelerator it waits"
         out.append(Finding("host_sync", sev, where, evidence, fix))
     return out
