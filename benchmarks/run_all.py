@@ -63,6 +63,7 @@ KNOWN = (
     Bench("checkpointing", "bench_checkpointing.py"),
     Bench("compile", "bench_compile.py"),
     Bench("contexts", "bench_contexts.py"),
+    Bench("doctor", "bench_doctor.py"),
     Bench("guard", "bench_guard.py"),
     Bench("qat", "bench_qat.py"),
     Bench("trainer", "bench_trainer.py"),

@@ -230,6 +230,11 @@ EXPECTED = {
         "| CI half-width | skipped |",
         {"equal weights", "no skipped steps"},
     ),
+    "doctor": (
+        "| model | checks | cold wall s | wall s (median) | CPU s (median) | target "
+        "| findings (error/warning/info) |",
+        {"no error or warning", "state restored"},
+    ),
     "qat": (
         "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
         {"finished, finite"},

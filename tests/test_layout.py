@@ -74,8 +74,20 @@ def test_a_pattern_imports_torch_stdlib_and_shared_helpers_only(pattern: str) ->
         assert not outside, f"{module} imports {sorted(outside)}"
 
 
+def test_the_doctor_imports_torch_stdlib_shared_helpers_and_public_patterns_only() -> None:
+    allowed = {*SHARED, *(f"isotrain.{p}" for p in PATTERNS)}
+    for module, targets in GRAPH.items():
+        if not module.startswith("isotrain.doctor"):
+            continue
+        for target in targets:
+            own = target.startswith("isotrain.doctor")
+            assert own or target in allowed, f"{module} imports {target}"
+        outside = THIRD_PARTY[module] - set(sys.stdlib_module_names) - {"torch"}
+        assert not outside, f"{module} imports {sorted(outside)}"
+
+
 def test_the_trainer_imports_only_public_packages() -> None:
-    allowed = {"isotrain", *(f"isotrain.{p}" for p in PATTERNS)}
+    allowed = {"isotrain", "isotrain.doctor", *(f"isotrain.{p}" for p in PATTERNS)}
     for module, targets in GRAPH.items():
         if not module.startswith("isotrain.train"):
             continue

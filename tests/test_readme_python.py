@@ -2,7 +2,8 @@
 
 A block that needs an optional package or a GPU says so on its first line, visibly:
 `# needs: transformers` or `# needs: cuda`; it is skipped (with the reason) where that is
-missing, and runs everywhere else.
+missing, and runs everywhere else. A block that goes on from the one before it (the same file,
+shown in two parts) says `# continues the block above` on its first line and runs after it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDS = re.compile(r"#\s*needs:\s*(.+)")
+CONTINUES = "# continues the block above"
 
 
 def python_blocks() -> list[tuple[str, str]]:
@@ -27,7 +29,10 @@ def python_blocks() -> list[tuple[str, str]]:
         elif line.strip() == "```python":
             block = []
         elif line.strip() == "```" and block is not None:
-            out.append((f"{len(out) + 1}: {section}", "\n".join(block) + "\n"))
+            code = "\n".join(block) + "\n"
+            if block and block[0].strip() == CONTINUES and out:
+                code = out[-1][1] + code
+            out.append((f"{len(out) + 1}: {section}", code))
             block = None
         elif block is not None:
             block.append(line)

@@ -14,8 +14,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# -- dispatch modes (torch.utils._python_dispatch) -------------------------------------------
+# The base class of a mode that sees every aten op below autograd (the doctor's op watch).
+DispatchMode = TorchDispatchMode
 
 __all__ = [
+    "DispatchMode",
     "backend_compiler",
     "compile_metrics",
     "compiled_call",

@@ -20,6 +20,7 @@ import pytest
 
 from isotrain.train.cli import commands
 from isotrain.train.cli.args import parse
+from isotrain.train.cli.doctor import DoctorArgs
 from isotrain.train.cli.main import main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,6 +31,7 @@ ARGS = {
     "plot": commands.PlotArgs,
     "report": commands.ReportArgs,
     "export": commands.ExportArgs,
+    "doctor": DoctorArgs,
 }
 
 

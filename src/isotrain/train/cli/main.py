@@ -106,6 +106,12 @@ def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
     raise SystemExit(0)
 
 
+def cmd_doctor(argv: Sequence[str]) -> int:
+    from isotrain.train.cli.doctor import cmd_doctor as run
+
+    return run(argv)
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import TrainingStopped, train
 
@@ -125,6 +131,7 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
     "report": (cmd_report, "summarise a run: losses, speed, skipped steps by reason"),
     "export": (cmd_export, "write weights as .safetensors or a Hugging Face folder"),
     "prepare": (cmd_prepare, "tokenize a corpus into train.bin / val.bin"),
+    "doctor": (cmd_doctor, "find hidden side effects in a training step (FILE.py, --trainer)"),
 }
 
 

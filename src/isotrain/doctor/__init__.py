@@ -1,0 +1,12 @@
+"""The doctor: find the hidden side effects in anyone's training step, and say how to fix them.
+
+``examine(model, optimizer, batches, step=...)`` runs the user's own step and validation on
+copies and reports each problem as a ``Finding`` (kind, severity, where, evidence, fix) in a
+``Diagnosis``; ``KINDS`` lists every kind with one line. This ``__init__`` is the package's
+whole public API; the ``_``-modules behind it are private.
+"""
+
+from isotrain.doctor._examine import examine
+from isotrain.doctor._finding import KINDS, Diagnosis, Finding
+
+__all__ = ["KINDS", "Diagnosis", "Finding", "examine"]

@@ -1,0 +1,220 @@
+"""`examine`: run the checks on copies of the user's setup and collect their findings.
+
+Each check runs inside a `StateAudit` of the global flags, whose `restore()` follows, and
+from the user's RNG state, which is put back after it; a check that raises becomes a
+`doctor_error` finding and one that cannot run here an info finding of its kind.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
+from isotrain.contexts import StateAudit
+from isotrain.doctor._compile import check_graph_breaks, check_recompiles
+from isotrain.doctor._context import CannotRun, Context, StepFn
+from isotrain.doctor._finding import KINDS, Diagnosis, Finding
+from isotrain.doctor._memory import check_memory
+from isotrain.doctor._model import check_batch_mixing, check_causal_leak
+from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
+from isotrain.doctor._params import (
+    check_learning,
+    check_loss_at_init,
+    check_optimizer,
+    check_overfit,
+)
+from isotrain.doctor._state import check_leaks, check_rng_leak
+from isotrain.doctor._sync import check_host_sync
+
+__all__ = ["CHECKS", "examine"]
+
+log = logging.getLogger(__name__)
+MAX_BATCHES = 8
+
+
+@dataclass(frozen=True)
+class Check:
+    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast"."""
+
+    name: str
+    kinds: tuple[str, ...]
+    run: Callable[[Context], list[Finding]]
+    fast: bool = True
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("host_sync", ("host_sync",), check_host_sync),
+    Check(
+        "leaks",
+        (
+            "mode_leak",
+            "grad_mode_leak",
+            "autocast_leak",
+            "global_state_leak",
+            "eval_in_train_mode",
+            "buffer_write_in_eval",
+        ),
+        check_leaks,
+    ),
+    Check("rng_leak", ("rng_leak",), check_rng_leak),
+    Check(
+        "optimizer",
+        (
+            "parameter_not_in_optimizer",
+            "frozen_parameter_in_optimizer",
+            "duplicate_parameter",
+            "weight_decay_on_norm_or_bias",
+        ),
+        check_optimizer,
+    ),
+    Check("learning", ("unused_parameter", "params_unchanged"), check_learning),
+    Check("overfit", ("cannot_overfit",), check_overfit, fast=False),
+    Check("loss_at_init", ("loss_at_init",), check_loss_at_init),
+    Check("batch_mixing", ("batch_mixing",), check_batch_mixing),
+    Check("causal_leak", ("causal_leak",), check_causal_leak),
+    Check("nonfinite", ("nonfinite_forward",), check_nonfinite),
+    Check("overflow", ("overflow_risk",), check_overflow),
+    Check("nondeterminism", ("nondeterminism",), check_nondeterminism),
+    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False),
+    Check("recompile", ("recompile",), check_recompiles, fast=False),
+    Check("memory", ("memory",), check_memory),
+)
+
+
+def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
+    """The check families to run and the kinds to report."""
+    if checks == "all":
+        return list(CHECKS), set(KINDS)
+    if checks == "fast":
+        chosen = [c for c in CHECKS if c.fast]
+        return chosen, {k for c in chosen for k in c.kinds} | {"doctor_error"}
+    if isinstance(checks, str) or not all(isinstance(k, str) for k in checks):
+        raise ValueError(
+            f'checks must be "all", "fast" or a list of kinds, got {checks!r}; '
+            f"kinds: {', '.join(KINDS)}"
+        )
+    unknown = [k for k in checks if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown check kind(s) {unknown}; choose from: {', '.join(KINDS)}")
+    kinds = set(checks) | {"doctor_error"}
+    return [c for c in CHECKS if kinds & set(c.kinds)], kinds
+
+
+def _plain_step(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> StepFn:
+    """isotrain's plain step: zero_grad, loss_fn, backward, optimizer.step."""
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return step
+
+
+def _batches(batches: Iterable[Any]) -> list[Any]:
+    items = list(batches) if isinstance(batches, (list, tuple)) else None
+    if items is None:
+        items = list(itertools.islice(iter(batches), MAX_BATCHES))
+    if len(items) < 2:
+        raise ValueError(
+            f"examine needs at least 2 batches (got {len(items)}): several checks compare one "
+            "batch with another, e.g. batches=[next(it), next(it)]"
+        )
+    return items[:MAX_BATCHES]
+
+
+def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
+    """One family: its findings, or an info per kind if it cannot run, or a doctor_error."""
+    audit = StateAudit(check_rng=False, warn=False)
+    started = time.perf_counter()
+    try:
+        with audit:
+            return check.run(ctx)
+    except CannotRun as e:
+        return [
+            Finding(k, "info", check.name, f"not checked: {e}", "-")
+            for k in check.kinds
+            if k in kinds
+        ]
+    except Exception as e:
+        log.debug("doctor check %s raised", check.name, exc_info=True)
+        first = (str(e).splitlines() or [""])[0]
+        return [Finding(
+            "doctor_error", "error", check.name, f"{type(e).__name__}: {first}",
+            "the check could not finish on this setup; run the others with "
+            "checks=[...] and report the error if it is the doctor's",
+        )]  # fmt: skip
+    finally:
+        if audit.differences:
+            audit.restore()
+        restore_rng(ctx.rng)
+        log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)
+
+
+def examine(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Any],
+    *,
+    step: StepFn | None = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    eval_fn: Callable[[nn.Module, Any], Any] | None = None,
+    checks: str | Sequence[str] = "all",
+    task: str | None = None,
+) -> Diagnosis:
+    """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
+
+    Works on deep copies of `model` and `optimizer` (yours, the RNGs and every global flag
+    are as before when it returns). `step(model, optimizer, batch) -> loss` is your own
+    training step; without it `loss_fn(model, batch) -> loss` drives a plain one.
+
+    Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "pass the real optimizer inside a wrapper (e.g. fabric_optimizer.optimizer)"
+        )
+    if step is None and loss_fn is None:
+        raise ValueError("pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch)")
+    if task not in (None, "lm", "classification"):
+        raise ValueError(f'task must be "lm", "classification" or None, got {task!r}')
+    families, kinds = _selected(checks)
+    started = time.perf_counter()
+    rng = capture_rng(all_cuda_devices(initialized_only=True))
+    ctx = Context(
+        model, optimizer, _batches(batches), step or _plain_step(loss_fn),  # type: ignore[arg-type]
+        eval_fn, task, step is None, rng,
+    )  # fmt: skip
+    found: list[Finding] = []
+    try:
+        for check in families:
+            found += [f for f in _run_one(check, ctx, kinds) if f.kind in kinds]
+        found += _step_error(ctx)
+    finally:
+        restore_rng(rng)
+    examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)
+    return Diagnosis(found, examined, time.perf_counter() - started)
+
+
+def _step_error(ctx: Context) -> list[Finding]:
+    """One doctor_error when the user's own step raised (the checks needing it said so)."""
+    probe = ctx.cache.get("probe")
+    if probe is None or probe.error is None:
+        return []
+    return [Finding(
+        "doctor_error", "error", "your step", f"the step raised {probe.error}",
+        "make one step run on its own: step(model, optimizer, batches[0])",
+    )]  # fmt: skip

@@ -1,0 +1,124 @@
+"""What the model computes across the batch and across time, measured by perturbing inputs.
+
+batch_mixing changes sample 0's input and looks at the other samples' outputs (a reshape
+or transpose bug mixes them); causal_leak changes token t and looks at positions before t
+(a wrong mask lets the future in). Both run forward passes only, on copies, RNG fixed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain._shared import capture_rng, restore_rng
+from isotrain.doctor._context import CannotRun, Context
+from isotrain.doctor._finding import Finding
+
+__all__ = ["check_batch_mixing", "check_causal_leak"]
+
+_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _perturb_first(x: torch.Tensor) -> torch.Tensor:
+    """`x` with sample 0 changed: its tokens rolled, or noise added to its values."""
+    y = x.clone()
+    if x.is_floating_point():
+        g = torch.Generator(device=x.device).manual_seed(0)
+        y[0] += torch.randn(x[0].shape, generator=g, device=x.device, dtype=x.dtype)
+    else:
+        y[0] = x[0].flatten().roll(1).view_as(x[0])
+    return y
+
+
+def _two_forwards(
+    ctx: Context, model: nn.Module, batch: Any, change: Any, *, train: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits for `batch` and for the batch with its main input changed, with the
+    same RNG draws for both (so dropout masks match)."""
+    x, rebuild = ctx.main_input(batch)
+    if not train:
+        model.eval()  # a copy: the user's flags stay as they are
+    rng = capture_rng()
+    with torch.no_grad():
+        a = ctx.outputs(model, *rebuild(x)).float()
+        restore_rng(rng)
+        b = ctx.outputs(model, *rebuild(change(x))).float()
+    return a, b
+
+
+def _mixed(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest change in the outputs of samples 1.. (relative to their scale)."""
+    scale = a[1:].abs().max().clamp_min(1e-6)
+    return float(((a[1:] - b[1:]).abs().max() / scale).item())
+
+
+def check_batch_mixing(ctx: Context) -> list[Finding]:
+    """batch_mixing: does sample 0's input change samples 1..B-1's outputs?"""
+    batch = ctx.batches[0]
+    x, _ = ctx.main_input(batch)
+    if x.dim() == 0 or x.shape[0] < 2:
+        raise CannotRun("needs a batch of at least 2 samples along dimension 0")
+    model, _ = ctx.copies()
+    a, b = _two_forwards(ctx, model, batch, _perturb_first, train=True)
+    if a.shape[0] != x.shape[0]:
+        raise CannotRun(f"the output's first dimension ({a.shape[0]}) is not the batch's")
+    change = _mixed(a, b)
+    if change <= 1e-5:
+        return []
+    has_bn = any(isinstance(m, _BATCHNORM) for m in model.modules())
+    if has_bn:
+        a, b = _two_forwards(ctx, model, batch, _perturb_first, train=False)
+        if _mixed(a, b) <= 1e-5:
+            return [Finding(
+                "batch_mixing", "info", "BatchNorm",
+                f"in training mode sample 0's input changes the others' outputs (by {change:.2g} "
+                "relative): BatchNorm's batch statistics, by design; in eval mode they don't mix",
+                "nothing to fix; per-sample work (per-sample gradients, tiny batches) wants "
+                "GroupNorm/LayerNorm",
+            )]  # fmt: skip
+    return [Finding(
+        "batch_mixing", "error", "model forward",
+        f"changing sample 0's input changed the outputs of samples 1..{x.shape[0] - 1} (by "
+        f"{change:.2g} relative to their scale): samples mix across the batch",
+        "look for a view/reshape that should be a transpose/permute (x.view(B, T, C) of a "
+        "(T, B, C) tensor), or a reduction over dim 0; .transpose(...) then .reshape(...)",
+    )]  # fmt: skip
+
+
+def check_causal_leak(ctx: Context) -> list[Finding]:
+    """causal_leak (task="lm"): does changing token t change the logits before t?"""
+    if ctx.task != "lm":
+        raise CannotRun('needs task="lm" (a language model whose position t sees tokens <= t)')
+    batch = ctx.batches[0]
+    x, _ = ctx.main_input(batch)
+    if x.is_floating_point() or x.dim() != 2 or x.shape[1] < 3:
+        raise CannotRun(f"needs token ids of shape (batch, time>=3), got {tuple(x.shape)}")
+    t = x.shape[1] // 2
+    hi, lo = x.max(), x.min()
+    if bool(hi == lo):
+        raise CannotRun("every token of the batch is the same: nothing to change")
+
+    def change(ids: torch.Tensor) -> torch.Tensor:
+        y = ids.clone()
+        y[:, t] = torch.where(ids[:, t] == hi, lo, hi)
+        return y
+
+    model, _ = ctx.copies()
+    a, b = _two_forwards(ctx, model, batch, change, train=False)
+    if a.dim() < 2 or a.shape[1] != x.shape[1]:
+        raise CannotRun(f"the logits' shape {tuple(a.shape)} has no time axis like the input's")
+    before = (a[:, :t] - b[:, :t]).abs().amax(dim=tuple(i for i in range(a.dim()) if i != 1))
+    scale = a[:, :t].abs().max().clamp_min(1e-6)
+    leaked = (before / scale > 1e-5).nonzero().flatten().tolist()
+    if not leaked:
+        return []
+    return [Finding(
+        "causal_leak", "error", "model forward",
+        f"changing token {t} changed the logits at {len(leaked)} earlier position(s) "
+        f"({', '.join(map(str, leaked[:5]))}{'...' if len(leaked) > 5 else ''}): the model "
+        "sees the future, so its training loss lies",
+        "mask with torch.tril (position i attends to j <= i): masked_fill(tril == 0, -inf), "
+        "or F.scaled_dot_product_attention(..., is_causal=True)",
+    )]  # fmt: skip

@@ -1,0 +1,55 @@
+"""host_sync: the ops in the user's step that make the host wait for the accelerator.
+
+The probe's op watch counted them per `file:line` during one step. A sync in the user's
+own code is a warning; one inside an installed library (not the user's to change), or on a
+line marked `# sync:` (the convention for an intentional one), is info.
+"""
+
+from __future__ import annotations
+
+from isotrain.doctor._context import Context
+from isotrain.doctor._finding import Finding, Severity
+from isotrain.doctor._probe import probe_ok
+
+__all__ = ["check_host_sync"]
+
+_READ_FIX = (
+    "keep the value on the device: `total += loss.detach()`, read it every N steps on a line "
+    "marked `# sync:`; decide with torch.where instead of `if t:` (isotrain.guard.StepGuard "
+    "skips non-finite steps with no sync)"
+)
+_SIZE_FIX = (
+    "use fixed-size ops: torch.where(mask, x, 0) and a masked mean ((x * mask).sum() / "
+    "mask.sum()) instead of x[mask] / nonzero / masked_select; cross_entropy(ignore_index=...) "
+    "skips targets without selecting them"
+)
+_COMPARE_FIX = "compare on the device: keep (a == b).all() as a tensor and read it at log steps"
+_HOST_FIX = "move values to the host only at log steps, on a line marked `# sync:`"
+
+
+def _fix_for(what: str) -> str:
+    """The fix for the construct the op came from (the `what` of the op watch)."""
+    if what.startswith((".item()", "bool(t)")):
+        return _READ_FIX
+    if what.startswith(("torch.equal", "torch.allclose")):
+        return _COMPARE_FIX
+    if what.startswith((".tolist()", ".numpy()", ".cpu()")):
+        return _HOST_FIX
+    return _SIZE_FIX
+
+
+def check_host_sync(ctx: Context) -> list[Finding]:
+    """One finding per `file:line` of the step that forces a host-device sync."""
+    watch = probe_ok(ctx).watch
+    out = []
+    for (where, what), n in sorted(watch.syncs.items(), key=lambda kv: -kv[1]):
+        library, marked = where in watch.library_syncs, where in watch.marked_syncs
+        evidence = f"{n} sync(s) per step from {what}"
+        if library:
+            evidence += " (inside an installed library, not your code)"
+        elif marked:
+            evidence += " (the line is marked `# sync:`: intentional)"
+        sev: Severity = "info" if library or marked else "warning"
+        fix = _fix_for(what) if sev == "warning" else "none needed; on an accelerator it waits"
+        out.append(Finding("host_sync", sev, where, evidence, fix))
+    return out

@@ -1,0 +1,237 @@
+"""An op watch: a dispatch mode that sees every aten op of the user's step, with its line.
+
+It records the ops that force a host-device sync on an accelerator (on a CPU nothing syncs,
+so the ops themselves are what it sees), the first op whose output is NaN/Inf, and the inputs
+of exp / log / softmax that overflow or underflow, each located at the user's `file:line`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from isotrain._torch_private import DispatchMode, tree_leaves
+
+__all__ = ["OpWatch", "Site", "bad_values", "user_site", "value_ranges", "watching"]
+
+aten = torch.ops.aten
+_TORCH = os.path.dirname(torch.__file__)
+_STDLIB = os.path.dirname(contextlib.__file__)
+_DOCTOR = os.path.dirname(os.path.abspath(__file__))
+_OPTIM = os.path.join(_TORCH, "optim")
+
+# op -> what the user wrote to cause it
+_SYNC_OPS: dict[Any, str] = {
+    aten._local_scalar_dense.default: ".item() / float(t) / bool(t) / `if t:` / print(t)",
+    aten.nonzero.default: "torch.nonzero / torch.where(cond) (output size depends on values)",
+    aten.masked_select.default: "torch.masked_select (output size depends on values)",
+    aten.equal.default: "torch.equal",
+    aten.allclose.default: "torch.allclose",
+    aten.is_nonzero.default: "bool(t) / `if t:`",
+    aten._unique2.default: "torch.unique (output size depends on values)",
+    aten.unique_consecutive.default: "torch.unique_consecutive",
+    aten.unique_dim.default: "torch.unique(dim=...)",
+    aten.repeat_interleave.Tensor: "repeat_interleave with tensor repeats",
+    aten.bincount.default: "torch.bincount",
+}
+_MASK_OPS = {
+    aten.index.Tensor: "x[mask] (boolean-mask indexing)",
+    aten.index_put_.default: "x[mask] = v",
+}
+_MASK_OPS[aten.index_put.default] = "x[mask] = v"
+# Python-level methods that read a tensor on the host without any aten op on a CPU
+_METHODS = {"tolist": ".tolist()", "numpy": ".numpy()", "cpu": ".cpu()"}
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an op came from: the innermost frame outside torch and the doctor."""
+
+    where: str  # "file.py:42"
+    library: bool  # inside an installed package (site-packages), not the user's own code
+    in_optimizer: bool  # under torch.optim (its CPU step counters, not the user's code)
+    marked: bool = False  # the line carries a `# sync:` comment: intentional
+
+
+def user_site() -> Site:
+    """The caller's `file:line` outside torch, the standard library and this package."""
+    frame = sys._getframe(1)
+    in_optim = False
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_OPTIM):
+            in_optim = True
+        if not (path.startswith((_TORCH, _STDLIB, _DOCTOR)) or path.startswith("<frozen")):
+            lib = "site-packages" in path or "dist-packages" in path
+            lib = lib and f"{os.sep}isotrain{os.sep}" not in path
+            marked = "# sync:" in linecache.getline(path, frame.f_lineno)
+            return Site(f"{_short(path)}:{frame.f_lineno}", lib, in_optim, marked)
+        frame = frame.f_back  # type: ignore[assignment]
+    return Site("<torch>", True, in_optim)
+
+
+def _short(path: str) -> str:
+    """A path as the user knows it: relative to the working directory when inside it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return path
+    return rel if not rel.startswith("..") else path
+
+
+@dataclass
+class OpWatch:
+    """What one watched block did: sync ops per site, the first non-finite op, risky inputs."""
+
+    syncs: dict[tuple[str, str], int] = field(default_factory=dict)  # (where, what) -> count
+    library_syncs: set[str] = field(default_factory=set)  # wheres inside installed packages
+    marked_syncs: set[str] = field(default_factory=set)  # wheres marked `# sync:`
+    nonfinite: tuple[str, str, str] | None = None  # (op, where, input ranges)
+    risks: dict[tuple[str, str], str] = field(default_factory=dict)  # (where, what) -> evidence
+    autocast: set[torch.dtype] = field(default_factory=set)  # autocast dtypes seen
+
+    def note_sync(self, what: str) -> None:
+        site = user_site()
+        if site.in_optimizer:
+            return  # the optimizer's own CPU step counter: no sync on an accelerator either
+        key = (site.where, what)
+        self.syncs[key] = self.syncs.get(key, 0) + 1
+        if site.library:
+            self.library_syncs.add(site.where)
+        if site.marked:
+            self.marked_syncs.add(site.where)
+
+
+def value_ranges(args: Any) -> str:
+    """min..max of each floating tensor among `args`, for the evidence."""
+    out = []
+    for t in tree_leaves(args):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+            finite = t[torch.isfinite(t)]
+            lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 0.0)
+            nan = int(torch.isnan(t).sum().item())
+            extra = f", {nan} NaN" if nan else ""
+            out.append(f"{tuple(t.shape)} in [{lo:.3g}, {hi:.3g}]{extra}")
+    return "; ".join(out) or "no floating inputs"
+
+
+class _Mode(DispatchMode):
+    """The dispatch mode behind `watching`."""
+
+    def __init__(self, watch: OpWatch, numerics: bool) -> None:
+        super().__init__()
+        self.watch, self.numerics = watch, numerics
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        what = _SYNC_OPS.get(func)
+        if what is None and func in _MASK_OPS and _has_bool_index(args):
+            what = _MASK_OPS[func]
+        if what is not None:
+            self.watch.note_sync(what)
+        out = func(*args, **kwargs)
+        if self.numerics:
+            _inspect(self.watch, func, args, out)
+        return out
+
+
+def _has_bool_index(args: Any) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
+
+
+_EXP = {aten.exp.default, aten.exp2.default, aten.expm1.default}
+_LOG = {aten.log.default, aten.log2.default, aten.log10.default}
+_SOFTMAX = {aten._softmax.default}
+_UNINITIALISED = ("empty", "new_empty", "resize", "set_")  # whatever memory held: not data
+_SKIP = {aten._local_scalar_dense.default, aten.isfinite.default, aten.detach.default}
+
+
+def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
+    """Record a non-finite output (the first one) and exp/log/softmax inputs near the edge."""
+    if func in _SKIP or func.overloadpacket.__name__.startswith(_UNINITIALISED):
+        return
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            watch.autocast.add(torch.get_autocast_dtype(device))
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if x is not None and x.is_floating_point() and x.numel():
+        _risky_input(watch, func, x)
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    for t in outs:
+        if t.dtype in (torch.float16, torch.bfloat16) and t.numel():
+            big, top = float(t.abs().max().item()), torch.finfo(t.dtype).max
+            if top / 64 < big < float("inf"):
+                watch.risks.setdefault(
+                    (user_site().where, f"{t.dtype}"),
+                    f"{func.overloadpacket.__name__} output reaches {big:.3g} in {t.dtype}, "
+                    f"within 64x of its largest finite value {top:.3g}",
+                )
+    if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
+        floats = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        if not any(t.is_floating_point() and bad_values(t) for t in floats):
+            name = str(func.overloadpacket.__name__)  # this op made it: later ones carry it
+            watch.nonfinite = (name, user_site().where, value_ranges(args))
+
+
+def bad_values(t: torch.Tensor) -> int:
+    """NaN and +inf entries: -inf is what attention masks are made of (exp(-inf) = 0)."""
+    return int((torch.isnan(t) | (t == float("inf"))).sum().item())
+
+
+def _risky_input(watch: OpWatch, func: Any, x: torch.Tensor) -> None:
+    where = None
+    if func in _LOG:
+        bad = int((x <= 0).sum().item())
+        if bad:
+            where, what = user_site().where, "log"
+            evidence = f"log() of {bad} value(s) <= 0 (log(0) = -inf): input {value_ranges(x)}"
+    elif func in _EXP:
+        limit = math.log(torch.finfo(x.dtype).max)
+        hi = float(x.max().item())
+        if hi > limit - 8:  # within a factor e^8 (~3000) of the largest finite value
+            where, what = user_site().where, "exp"
+            evidence = f"exp() input reaches {hi:.3g}; {x.dtype} overflows beyond {limit:.3g}"
+    elif func in _SOFTMAX:
+        live = x[x > -1e4]  # masked entries (-inf, finfo.min) are meant to vanish
+        spread = float((live.max() - live.min()).item()) if live.numel() else 0.0
+        if spread > 60:
+            where, what = user_site().where, "softmax"
+            evidence = (
+                f"softmax inputs span {spread:.3g} (e^-60 = 1e-26: the softmax saturates, its "
+                "gradient vanishes, and float16 scores overflow): unscaled attention scores?"
+            )
+    if where is not None:
+        watch.risks.setdefault((where, what), evidence)
+
+
+@contextlib.contextmanager
+def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
+    """Watch every aten op inside the block (and .tolist()/.numpy()/.cpu() calls)."""
+    watch = OpWatch()
+    saved: dict[str, Callable[..., Any]] = {}
+    for name, what in _METHODS.items():
+        saved[name] = getattr(torch.Tensor, name)
+        setattr(torch.Tensor, name, _noting(saved[name], watch, what))
+    try:
+        with _Mode(watch, numerics):
+            yield watch
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _noting(method: Callable[..., Any], watch: OpWatch, what: str) -> Callable[..., Any]:
+    def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        watch.note_sync(what)
+        return method(self, *args, **kwargs)
+
+    return wrapper

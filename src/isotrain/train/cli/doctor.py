@@ -1,0 +1,172 @@
+"""`isotrain doctor FILE.py[:FUNCTION]` and `isotrain doctor --trainer`: parsing and wiring.
+
+FUNCTION (default `doctor_setup`) returns a dict of `isotrain.doctor.examine` arguments; the
+table goes to stdout, `--json OUT` writes the diagnosis as JSON, and the exit status is 1
+when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import inspect
+import json
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal, cast
+
+import torch
+import tyro
+from torch import nn
+
+from isotrain.contexts import rng_isolated
+from isotrain.doctor import KINDS, Diagnosis, examine
+from isotrain.train.cli.args import check_output, parse
+from isotrain.train.config import PRESETS, ConfigError
+from isotrain.train.loop import setup
+from isotrain.train.model.gpt import GPT
+from isotrain.train.state import Batches, Run, TrainState
+from isotrain.train.step import evaluate, train_step
+from isotrain.train.update.updater import build_updater
+
+__all__ = ["cmd_doctor", "trainer_setup"]
+
+Target = Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="FILE.py[:FUNCTION]")]
+_ARGS = set(inspect.signature(examine).parameters) - {"checks"}  # checks: --checks, --only
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorArgs:
+    """Examine a training setup for hidden side effects: FILE.py[:FUNCTION] (FUNCTION, default
+    doctor_setup, returns a dict of isotrain.doctor.examine arguments), or --trainer."""
+
+    target: Target = None
+    """The file defining the setup function, optionally :FUNCTION."""
+    json: str | None = None
+    """Also write the diagnosis as JSON to this file."""
+    checks: Literal["all", "fast"] = "all"
+    """all, or fast (no compile checks, no few-dozen-step overfit test)."""
+    only: tuple[str, ...] = ()
+    """Examine only these kinds (e.g. --only host_sync mode_leak)."""
+    trainer: bool = False
+    """Examine isotrain's own reference trainer (its step and evaluation)."""
+    preset: str = "tiny"
+    """With --trainer: the trainer preset to examine."""
+
+
+def _load_setup(target: str) -> dict[str, Any]:
+    """Import FILE, call FUNCTION(), check it returned examine's arguments."""
+    file, _, func = target.partition(":")
+    path = Path(file).expanduser()
+    if path.suffix != ".py" or not path.is_file():
+        raise ConfigError(f"{file}: no such Python file; try isotrain doctor train.py:setup")
+    spec = importlib.util.spec_from_file_location(f"_isotrain_doctor_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{file}: cannot be imported as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"importing {file} raised {type(e).__name__}: {e}") from None
+    name = func or "doctor_setup"
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{file} defines no function {name}(); write one returning a dict")
+    try:
+        made = fn()
+    except Exception as e:
+        raise ConfigError(f"{name}() raised {type(e).__name__}: {e}") from None
+    if not isinstance(made, dict) or not {"model", "optimizer", "batches"} <= set(made):
+        raise ConfigError(
+            f"{name}() must return a dict with model, optimizer, batches (and step or "
+            f"loss_fn), got {type(made).__name__}"
+        )
+    extra = sorted(set(made) - _ARGS)
+    if extra:
+        raise ConfigError(f"{name}() returned unknown keys {extra}; examine takes {sorted(_ARGS)}")
+    return made
+
+
+@dataclass(frozen=True)
+class _OneBatch:
+    """Stands in for `Batches` (train_step calls only `get`): every training micro-batch is
+    the one the doctor hands over."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def get(self, split: str, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x, self.y, self.y.numel()
+
+
+def _run_on(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> Run:
+    """The run's config around the doctor's copy and one batch, at the peak learning rate, with
+    an update rule of its own (the guard's state belongs to the copy)."""
+    updater = build_updater(run.cfg, model, optimizer, run.dist)
+    state = TrainState(step=run.cfg.optim.warmup_steps)
+    one = cast(Batches, _OneBatch(*batch))
+    return dataclasses.replace(
+        run, batches=one, model=cast(GPT, model), train_model=model, optimizer=optimizer,
+        updater=updater, state=state,
+    )  # fmt: skip
+
+
+def trainer_setup(preset: str = "tiny", *, out_dir: str, batch_size: int = 4) -> dict[str, Any]:
+    """examine's arguments for the reference trainer's own step and evaluation, on batches of
+    `batch_size` samples (the doctor measures behaviour, not throughput)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]()
+    cfg = dataclasses.replace(
+        cfg, out_dir=out_dir, progress=False, eval_batches=min(cfg.eval_batches, 2)
+    )
+    run = setup(cfg)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        outcome = train_step(_run_on(run, model, optimizer, batch))
+        return outcome["loss"] if isinstance(outcome, dict) else outcome.loss
+
+    def eval_fn(model: nn.Module, batches: Any) -> float:
+        return evaluate(dataclasses.replace(run, model=cast(GPT, model), train_model=model))
+
+    batches = [tuple(t[:batch_size] for t in run.batches.get("train", i)[:2]) for i in range(2)]
+    model = run.train_model
+    return dict(
+        model=model, optimizer=run.optimizer, batches=batches, step=step, eval_fn=eval_fn,
+        task="lm",
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
+    if a.trainer == (a.target is not None):
+        raise ConfigError("give FILE.py[:FUNCTION] or --trainer (one of them); try --help")
+    if not a.trainer:
+        yield _load_setup(cast(str, a.target))
+        return
+    seed = PRESETS[a.preset]().seed if a.preset in PRESETS else 0
+    with tempfile.TemporaryDirectory(prefix="isotrain-doctor-") as out, rng_isolated(seed=seed):
+        yield trainer_setup(a.preset, out_dir=out)
+
+
+def cmd_doctor(argv: Sequence[str]) -> int:
+    a = parse(DoctorArgs, argv, "isotrain doctor")
+    unknown = [k for k in a.only if k not in KINDS]
+    if unknown:
+        raise ConfigError(f"--only {' '.join(unknown)}: no such kind; kinds: {', '.join(KINDS)}")
+    if a.json is not None:
+        check_output("--json", Path(a.json), is_dir=False)
+    with _setup_of(a) as kwargs:
+        kwargs = {**kwargs, "checks": list(a.only) if a.only else a.checks}
+        try:
+            diagnosis: Diagnosis = examine(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"examine refused the setup: {e}") from None
+    sys.stdout.write(diagnosis.table(color=sys.stdout.isatty()) + "\n")
+    if a.json is not None:
+        Path(a.json).write_text(json.dumps(diagnosis.to_json(), indent=2) + "\n")
+    return 0 if diagnosis.ok else 1
