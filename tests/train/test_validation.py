@@ -285,3 +285,13 @@ def test_bad_paths_and_files_of_the_other_commands_are_one_line(
     assert main([fill(a) for a in argv]) == 2
     assert capsys.readouterr().err == fill(expected) + "\n"
     assert _files(existing_run) == before
+
+
+def test_a_torchrun_worker_other_than_rank_0_leaves_the_message_to_rank_0(
+    monkeypatch, capsys
+) -> None:
+    line = "isotrain train: error: --steps x is not an integer; try --steps 1000\n"
+    for rank, said in (("1", ""), ("0", line)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--steps", "x"]) == 2
+        assert capsys.readouterr().err == said

@@ -8,9 +8,11 @@ stopped by Ctrl-C or SIGTERM exits 130 or 143 after its snapshot.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from isotrain.train.cli.args import parse
 from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
@@ -21,6 +23,7 @@ from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["main", "parse_train_args"]
 
+DEFAULT_OUT = TrainConfig().out_dir
 USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
 # Optional packages and the extra that installs each: a missing one is a user error too.
 EXTRAS = {
@@ -105,16 +108,70 @@ def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
     raise SystemExit(0)
 
 
+# NOTE [default run directory]
+# A command without --out-dir (or --resume) trains into runs/default. When runs/default holds
+# a run with another shape, data, tokenizer, seed, --init-from or parallel mode (read from its
+# config.toml), the command describes a new run, not that one: it is refused in one line that
+# names the differences and a fresh directory named after the new run (`--out-dir runs/smoke`),
+# before anything is loaded. The same command again continues the run; once it made its
+# --steps, it says the run is complete and prints the next commands (exit 0).
+
+
+def _named_out_dir(argv: Sequence[str]) -> bool:
+    """True when the command names its run directory (a flag, or the --config file's)."""
+    names = ("--out-dir", "--resume")
+    if any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in argv):
+        return True
+    config, _ = _option(list(argv), "--config")
+    return config is not None and apply_toml(TrainConfig(), config).out_dir != DEFAULT_OUT
+
+
+def _new_run_name(argv: Sequence[str], cfg: TrainConfig) -> str:
+    """A fresh run directory named after what the command trains (preset, data, weights)."""
+    preset, _ = _option(list(argv), "--preset")
+    stems = [
+        Path(source.removeprefix("hf:").rstrip("/*")).name.split(".")[0]
+        for source in (cfg.init_from, cfg.data.path)
+        if source
+    ]
+    mode = [cfg.parallel.mode] if cfg.parallel.mode != "none" else []
+    parts = [p for p in (preset, *stems, *mode) if p]
+    base = Path("runs") / "-".join(parts or ["tiny"])
+    out, n = base, 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return str(out)
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import TrainingStopped, train
+    from isotrain.train.report.progress import where_and_next
+    from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
 
-    cfg = parse_train_args(argv)
+    cfg = validate(parse_train_args(argv))
+    if not _named_out_dir(argv):
+        differs = other_run(cfg.out_dir, cfg)
+        if differs:
+            raise ConfigError(
+                f"{cfg.out_dir} holds another run ({changes_in_words(differs)}), so this "
+                f"command is a new run: pass --out-dir {_new_run_name(argv, cfg)} (or any new "
+                "directory)"
+            )
     try:
-        train(validate(cfg))
+        train(cfg)
     except TrainingStopped as e:
         sys.stderr.write(f"isotrain train: {e}\n")
         return 128 + e.signum
+    except RunComplete as e:
+        if _is_rank0():
+            lines = where_and_next(e.run_dir, cfg.report.loggers)
+            sys.stdout.write(f"isotrain train: {e}\n" + "".join(ln + "\n" for ln in lines))
     return 0
+
+
+def _is_rank0() -> bool:
+    """False in a torchrun worker other than rank 0, which leaves messages to rank 0."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
@@ -176,8 +233,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[argv[0]][0](argv[1:])
-    except USER_ERRORS as e:
-        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+    except USER_ERRORS as e:  # the same on every rank of a torchrun job: rank 0 says it
+        if _is_rank0() or not isinstance(e, ConfigError):
+            sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
         return 2
     except WriteError as e:  # the machine, not the command: exit 1
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
