@@ -267,3 +267,31 @@ def test_subprocess_smoke(tmp_path) -> None:
     lines = Path(run / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["kind"] == "summary"
     assert (run / "snapshots" / "step_0000004" / "state.pt").is_file()
+
+
+def test_a_presets_settings_show_in_help_and_in_the_header(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help", "presets"])
+    page = capsys.readouterr().out
+    smoke = " ".join(page.split("  smoke ", 1)[1].split())
+    assert "--precision fp32" in smoke and "--snapshot.every 0" in smoke and "--steps 8" in smoke
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    short = capsys.readouterr().out
+    assert "--tokenizer KIND|PATH" in short and "--help presets" in short
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    full = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in full)
+    assert not any(line.rstrip().endswith("-") for line in full)  # no word cut at a hyphen
+    assert any(line.startswith("  smoke ") for line in full)
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "smoke", "--steps", "2", "--data.max-bytes", "60000"]
+    assert main([*argv, "--sample-tokens", "0", "--out-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "  precision  fp32 (--preset smoke)\n" in out  # not a flag nobody passed
+    assert "  settings   --preset smoke (12), flags --data.max-bytes --steps --sample-tokens" in out
+    assert "progress = true" in (run / "config.toml").read_text()  # --config keeps the bar
+    assert [p.name for p in (run / "snapshots").glob("step_*")] == ["step_0000002"]
+    assert main([*argv, "--precision", "fp32", "--out-dir", str(tmp_path / "b")]) == 0
+    assert "  precision  fp32 (--precision fp32)\n" in capsys.readouterr().out

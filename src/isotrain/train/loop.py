@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
-from isotrain.train.config import ConfigError, TrainConfig, validate
+from isotrain.train.config import ConfigError, TrainConfig, flag, validate
 from isotrain.train.data import batches as data_mod
 from isotrain.train.inputs import load_inputs
 from isotrain.train.model.gpt import GPT, Block
@@ -195,10 +196,11 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     return run
 
 
-def train(cfg: TrainConfig) -> TrainState:
+def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
 
-    SIGINT or SIGTERM: a snapshot of the current step, then `TrainingStopped`.
+    `origin` (dotted setting -> `--preset NAME`, `--config FILE` or `flag`) lets the header
+    say where the settings came from. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
     """
     with (
         flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
@@ -217,7 +219,10 @@ def train(cfg: TrainConfig) -> TrainState:
             ) as reporter,
         ):
             precision = run.precision_note or cfg.precision
-            reporter.header(_facts(run, st.step, precision=precision, flushed=flushed))
+            if cfg.precision != "auto" and origin and origin.get("precision", "flag") != "flag":
+                precision = f"{cfg.precision} ({origin['precision']})"  # not a flag they passed
+            facts = _facts(run, st.step, precision=precision, flushed=flushed)
+            reporter.header([*facts, *_settings(origin or {})])
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
             with no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext():
@@ -349,6 +354,15 @@ def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
         f"eval every {cfg.eval_every}, log every {cfg.log_every}",
         f"run dir    {cfg.out_dir} ({where})",
     ]
+
+
+def _settings(origin: Mapping[str, str]) -> list[str]:
+    """`settings   --preset smoke (16), --config FILE (2), flags --steps --out-dir`."""
+    counts = collections.Counter(v for v in origin.values() if v != "flag")
+    parts = [f"{source} ({n})" for source, n in counts.items()]
+    flags = [flag(k) for k, v in origin.items() if v == "flag"]
+    parts += [f"flags {' '.join(flags)}"] if flags else []
+    return [f"settings   {', '.join(parts)}"] if parts else []
 
 
 class _Timer:

@@ -7,6 +7,7 @@ stopped by Ctrl-C or SIGTERM exits 130 or 143 after its snapshot.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -16,8 +17,10 @@ from pathlib import Path
 
 from isotrain.train.cli.args import parse
 from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
+from isotrain.train.cli.flags import options
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data.batches import DataError
+from isotrain.train.fields import leaves
 from isotrain.train.rundir.snapshot import SnapshotError
 from isotrain.train.rundir.writes import WriteError
 
@@ -69,17 +72,34 @@ def _split_commas(argv: list[str], name: str) -> list[str]:
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     """Resolve preset, TOML file and flags into one TrainConfig."""
+    return _resolve(argv)[0]
+
+
+def _resolve(argv: Sequence[str]) -> tuple[TrainConfig, dict[str, str]]:
+    """The config of a command line, and where each setting off the default came from
+    (`--preset smoke`, `--config FILE`, or `flag`), for the run header."""
     preset, rest = _option(list(argv), "--preset")
     config, rest = _option(rest, "--config")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
-    cfg = PRESETS[preset or "tiny"]()
+    stages = [(TrainConfig(), ""), (PRESETS[preset or "tiny"](), f"--preset {preset}")]
     if config:
-        cfg = apply_toml(cfg, config)
+        stages.append((apply_toml(stages[-1][0], config), f"--config {config}"))
+    cfg = stages[-1][0]
     if any(a in ("-h", "--help", "--help-all") for a in rest):
         _train_help(cfg, rest)
     rest = _split_commas(rest, "--report.loggers")
-    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+    cfg = parse(TrainConfig, rest, "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+    stages.append((cfg, "flag"))
+    origin: dict[str, str] = {}
+    for (before, _), (after, source) in itertools.pairwise(stages):
+        old = leaves(before)
+        origin.update({k: source for k, v in leaves(after).items() if v != old[k]})
+    table, _ = options(TrainConfig)
+    for word in rest:  # a flag passed counts as passed, even where it repeats the preset
+        if word.split("=", 1)[0] in table:
+            origin[table[word.split("=", 1)[0]].path] = "flag"
+    return cfg, origin
 
 
 TRAIN_DESCRIPTION = (
@@ -90,18 +110,17 @@ TRAIN_DESCRIPTION = (
 
 
 def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
-    """`--help` (short), `--help SECTION`, `--help-all` (tyro's full page); then exit 0."""
-    from isotrain.train.cli.helptext import SECTIONS, section_help, short_help
+    """`--help` (short), `--help SECTION`, `--help presets`, `--help-all`; then exit 0."""
+    from isotrain.train.cli.helptext import PAGES, all_help, section_help, short_help
 
     if "--help-all" in argv:
-        parse(TrainConfig, ["--help"], "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+        sys.stdout.write(all_help(cfg) + "\n")
+        raise SystemExit(0)
     flag_at = max(i for i, a in enumerate(argv) if a in ("-h", "--help"))
     section = argv[flag_at + 1] if flag_at + 1 < len(argv) else None
     if section is not None and not section.startswith("-"):
-        if section not in SECTIONS:
-            raise ConfigError(
-                f"--help {section}: no such section; try one of {', '.join(SECTIONS)}"
-            )
+        if section not in PAGES:
+            raise ConfigError(f"--help {section}: no such section; try one of {', '.join(PAGES)}")
         sys.stdout.write(section_help(cfg, section) + "\n")
     else:
         sys.stdout.write(short_help(cfg) + "\n")
@@ -148,7 +167,8 @@ def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.report.progress import where_and_next
     from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
 
-    cfg = validate(parse_train_args(argv))
+    cfg, origin = _resolve(argv)
+    validate(cfg)
     if not _named_out_dir(argv):
         differs = other_run(cfg.out_dir, cfg)
         if differs:
@@ -158,7 +178,7 @@ def cmd_train(argv: Sequence[str]) -> int:
                 "directory)"
             )
     try:
-        train(cfg)
+        train(cfg, origin=origin)
     except TrainingStopped as e:
         sys.stderr.write(f"isotrain train: {e}\n")
         return 128 + e.signum
