@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,7 +96,10 @@ def test_end_of_run_says_where_things_are_and_what_to_run(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert f"snapshots  {run / 'snapshots'} (latest step_0000002)" in out
     assert f"metrics    {run / 'metrics.jsonl'}, settings {run / 'config.toml'}" in out
-    assert f"next       python -m isotrain sample {run}   (plot, report, export alike)" in out
+    prog = f"{sys.executable} -m isotrain"  # the interpreter that ran, not a bare `python`
+    if shutil.which(Path(sys.executable).name) == sys.executable:
+        prog = f"{Path(sys.executable).name} -m isotrain"
+    assert f"next       {prog} sample {run}   (plot, report, export alike)" in out
     assert "{" not in out.split("run summary")[0]  # a short header, no JSON config line
     for fact in ("model ", "data ", "device ", "precision ", f"run dir    {run} (new run)"):
         assert fact in out

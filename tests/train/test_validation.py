@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from isotrain.train.cli.main import main
+from isotrain.train.environment import install_hint
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 HUGE = str(2**70)
@@ -114,10 +115,10 @@ TRAIN_CASES = [
      "--device 'cuda:64': this machine has no such device; try --device cpu"),
     ("tensorboard-missing", ["--report.loggers", "jsonl", "tensorboard"], None,
      "--report.loggers tensorboard needs the tensorboard package, which is not installed; "
-     "try pip install 'isotrain[tensorboard]'"),
+     f"try {install_hint('tensorboard')}"),
     ("wandb-missing", ["--report.loggers", "csv,wandb"], None,
      "--report.loggers wandb needs the wandb package, which is not installed; "
-     "try pip install 'isotrain[wandb]'"),
+     f"try {install_hint('wandb')}"),
     ("logger-unknown", ["--report.loggers", "jsonl,mlflow"], None,
      "--report.loggers mlflow is not one of jsonl, csv, tensorboard, wandb; "
      "try --report.loggers jsonl"),
@@ -223,7 +224,7 @@ OTHER_CASES = [
     ("sample-prompt-file", ["sample", "<run>", "--prompt-file", "<dir>/none.txt"],
      "isotrain sample: error: --prompt-file <dir>/none.txt: no such file"),
     ("export-safetensors-missing", ["export", "<run>", "--out", "<dir>/m.safetensors"],
-     "isotrain export: error: export needs safetensors; try pip install 'isotrain[export]'"),
+     f"isotrain export: error: export needs safetensors; try {install_hint('export')}"),
     ("prepare-no-input", ["prepare", "--out", "<dir>/p"],
      "isotrain prepare: error: --input is required; try isotrain prepare --input INPUT ..."),
     ("prepare-nothing", ["prepare"],
@@ -232,7 +233,7 @@ OTHER_CASES = [
     ("prepare-tokenizers-missing",
      ["prepare", "--input", "<file>", "--out", "<dir>/p", "--tokenizer", "bpe"],
      "isotrain prepare: error: BPE and tokenizer.json files need Hugging Face tokenizers; "
-     "try pip install 'isotrain[data]'"),
+     f"try {install_hint('data')}"),
     ("export-onto-a-directory", ["export", "--run", "<run>", "--out", "<dir>"],
      "isotrain export: error: --out <dir> is a directory; try another --out"),
     ("export-under-a-file", ["export", "--run", "<run>", "--out", "<file>/m.safetensors"],
@@ -244,7 +245,7 @@ OTHER_CASES = [
      "isotrain plot: error: --out <file> is a file; try another --out"),
     ("plot-without-matplotlib", ["plot", "--run", "<run>", "--out", "<dir>"],
      "isotrain plot: error: plots need matplotlib, which is not installed; "
-     "try pip install 'isotrain[plots]'"),
+     f"try {install_hint('plots')}"),
     ("report-not-a-run", ["report", "--run", "<dir>"],
      "isotrain report: error: <dir>/metrics.jsonl: no metrics file; try the --out-dir of an "
      "isotrain train run"),
@@ -295,3 +296,18 @@ def test_a_torchrun_worker_other_than_rank_0_leaves_the_message_to_rank_0(
         monkeypatch.setenv("RANK", rank)
         assert main(["train", "--steps", "x"]) == 2
         assert capsys.readouterr().err == said
+
+
+def test_the_install_hint_is_the_command_this_environment_needs(tmp_path, monkeypatch) -> None:
+    root = Path(__file__).resolve().parents[2]
+    pip = Path(sys.executable).with_name("pip")
+    if not (root / "pyproject.toml").is_file() or not pip.is_file():
+        pytest.skip("isotrain is not run from a source checkout with pip beside python")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no pip on the PATH: name the venv's own
+    monkeypatch.chdir(root)
+    assert (
+        install_hint("data") == f"{pip.relative_to(root) if pip.is_relative_to(root) else pip}"
+        " install -e '.[data]'"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert install_hint("data").endswith(f" install -e '{root}[data]'")

@@ -6,13 +6,15 @@ Checked before anything is built or written, so a run that cannot work fails in 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from isotrain.train.fields import ConfigError
 
-__all__ = ["check_device", "check_directory", "check_extra"]
+__all__ = ["check_device", "check_directory", "check_extra", "install_hint", "relative"]
 
 
 def check_device(name: str) -> None:
@@ -55,5 +57,28 @@ def check_extra(module: str, option: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ConfigError(
             f"{option} needs the {module} package, which is not installed; "
-            f"try pip install 'isotrain[{extra}]'"
+            f"try {install_hint(extra)}"
         )
+
+
+def relative(path: Path) -> str:
+    """`path` as a user types it here: relative to the working directory when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs isotrain's `extra` into the running environment: in a source
+    checkout (a clone, installed editable) `.venv/bin/pip install -e '.[data]'`, else
+    `pip install 'isotrain[data]'`."""
+    root = Path(__file__).resolve().parents[3]  # src/isotrain/train/environment.py -> root
+    pip = Path(sys.executable).with_name("pip")
+    if not (root / "pyproject.toml").is_file() or not pip.is_file():
+        return f"pip install 'isotrain[{extra}]'"
+    target = "." if root == Path.cwd().resolve() else relative(root)
+    where = (
+        pip if pip.parent.resolve() != Path(shutil.which("pip") or "/").resolve().parent else "pip"
+    )
+    return f"{relative(where) if isinstance(where, Path) else where} install -e '{target}[{extra}]'"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import math
 import signal
 import time
@@ -49,6 +50,8 @@ from isotrain.train.weights.load import build_model
 
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 
+log = logging.getLogger(__name__)
+
 
 class TrainingStopped(Exception):
     """SIGINT or SIGTERM stopped training; a snapshot of `step` was written first."""
@@ -78,9 +81,25 @@ def setup(cfg: TrainConfig) -> Run:
     train_model = prepare_model(cfg, model, info, example=example)
     optimizer = build_optimizer(model, cfg.optim)
     updater = build_updater(cfg, model, optimizer, info)
+    _warn_short_warmup(cfg)
     run = Run(cfg, info, batches, model, train_model, optimizer, updater)
     run.tokenizer, run.precision_note = tokenizer, precision
     return run
+
+
+def _warn_short_warmup(cfg: TrainConfig) -> None:
+    """A run no longer than its warm-up never reaches --optim.lr: say so, with the fix."""
+    warm = cfg.optim.warmup_steps
+    if cfg.steps < warm:
+        log.warning(
+            "--steps %d is less than --optim.warmup-steps %d: the learning rate only "
+            "reaches %.1e of --optim.lr %g; try --optim.warmup-steps %d",
+            cfg.steps,
+            warm,
+            cfg.optim.lr * cfg.steps / max(warm, 1),
+            cfg.optim.lr,
+            max(cfg.steps // 10, 1),
+        )
 
 
 def prepare_model(
@@ -341,7 +360,8 @@ def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
         asked = cfg.subnormals == "flush"
         how = "flushed to zero" if flushed else "kept"
         why = " (this CPU cannot flush them)" if asked and not flushed else ""
-        threads = f", {torch.get_num_threads()} threads, subnormals {how}{why}"
+        n = torch.get_num_threads()
+        threads = f", {n} thread{'s' if n != 1 else ''}, subnormals {how}{why}"
     world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
     return [
         f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "

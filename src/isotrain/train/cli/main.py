@@ -20,6 +20,7 @@ from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_r
 from isotrain.train.cli.flags import options
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data.batches import DataError
+from isotrain.train.environment import install_hint
 from isotrain.train.fields import leaves
 from isotrain.train.rundir.snapshot import SnapshotError
 from isotrain.train.rundir.writes import WriteError
@@ -235,7 +236,7 @@ def _missing_extra(e: ImportError) -> str | None:
     if extra is None:
         return None
     what = re.split(r"[:;,]?\s*(?:try )?pip install", str(e))[0].strip().rstrip(":;,")
-    return f"{what}; try pip install 'isotrain[{extra}]'"
+    return f"{what}; try {install_hint(extra)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
