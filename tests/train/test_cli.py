@@ -65,8 +65,8 @@ def test_sample_from_snapshot_and_from_export_agree(smoke_run, tmp_path, capsys)
 
 def test_plot_and_report(smoke_run, tmp_path, capsys) -> None:
     assert main(["plot", str(smoke_run), "--out", str(tmp_path)]) == 0
-    for name in ("loss.png", "lr.png", "throughput.png", "grad_norm.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ("loss.png", "lr.png", "throughput.png", "grad_norm.png"):  # OUT/<run name>/
+        assert (tmp_path / smoke_run.name / name).read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["report", str(smoke_run)]) == 0
     out = capsys.readouterr().out

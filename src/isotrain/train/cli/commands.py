@@ -122,7 +122,8 @@ class PlotArgs(RunArgs):
     norm as PNG files."""
 
     out: str | None = None
-    """Folder for the PNG files (default: the run directory)."""
+    """Folder for the PNG files: OUT/<run name>/, so runs never overwrite each other's
+    (default: the run directory itself)."""
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
