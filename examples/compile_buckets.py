@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
     p.add_argument("--backend", default="eager", help='"eager", "aot_eager" or "inductor"')
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=1)
     args = p.parse_args(argv)
     max_len, n_docs, epochs, batch = (64, 96, 1, 8) if args.smoke else (128, 2000, args.epochs, 16)
 

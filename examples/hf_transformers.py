@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt2", choices=["gpt2", "llama"])
     p.add_argument("--backend", default="eager", help='"eager", "aot_eager" or "inductor"')
     args = p.parse_args(argv)
-    steps, layers = (20, 2) if args.smoke else (120, 4)
+    steps, layers = (20, 2) if args.smoke else (60, 4)
 
     torch.manual_seed(0)
     model = build(args.model, layers)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             outcomes.append(guard.step(loss.detach()))  # device tensors: nothing waits here
             losses.append(loss.detach())
-            if (step + 1) % 20 == 0:  # sync: a progress line every 20 steps
+            if (step + 1) % 10 == 0:  # sync: a progress line every 10 steps
                 print(f"step {step + 1}/{steps}: loss {loss.item():.3f} "
                       f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
         with eval_mode(model) as m, rng_isolated(seed=0), StateAudit(m, raise_on_leak=True):

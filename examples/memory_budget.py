@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
     p.add_argument("--budget", default="40%", help="saved-activation budget: bytes or % of none")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=150)
     args = p.parse_args(argv)
     d, heads, layers, batch, seq, steps = (
-        (32, 4, 4, 8, 32, 25) if args.smoke else (128, 4, 8, 32, 128, args.steps)
+        (32, 4, 4, 8, 32, 25) if args.smoke else (128, 4, 8, 16, 128, args.steps)
     )
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         # budget:... profiles each block on the example batch and wraps the cheapest set
         apply_activation_checkpointing(model, policy=policy, example_inputs=(x,))
         saved, flops, wrapped = measure()
-        print(f"| {policy} | {saved / 1e3:.1f} | {flops:.2f} | {wrapped}/{layers} |")
+        print(f"| {policy} | {saved / 1e3:.1f} | {flops:.2f} | {wrapped}/{layers} |", flush=True)
     # The model now runs under the budget policy (the last one applied). Train it.
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     guard = StepGuard(opt, model, max_norm=1.0)

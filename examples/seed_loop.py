@@ -78,14 +78,14 @@ def sample(model: nn.Module, prompt: bytes, n: int) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--no-amp", dest="amp", action="store_false", help="stay in float32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         steps, width, layers, batch, seq, n_val, eval_every = 25, 32, 3, 8, 64, 2, 12
     else:
-        steps, width, layers, batch, seq, n_val, eval_every = args.steps, 96, 6, 32, 128, 8, 100
+        steps, width, layers, batch, seq, n_val, eval_every = args.steps, 96, 6, 32, 128, 8, 50
 
     torch.manual_seed(args.seed)  # model init and dropout
     data = load_bytes()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     amp = resolve_autocast(enabled=args.amp)  # decide once: does float16 need a GradScaler?
     scaler = torch.amp.GradScaler(amp.device_type) if amp.needs_grad_scaler else None
-    print(f"{len(data):,} bytes of stdlib source; autocast: {amp.reason}")
+    print(f"{len(data):,} bytes of stdlib source; autocast: {amp.reason}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed)  # the data order, apart from dropout's RNG
     val_losses, skipped = [], 0
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             with eval_mode(model) as m, autocast_if_available(enabled=args.amp):
                 val_loss = sum(loss_fn(m, x, y).item() for x, y in val_batches) / len(val_batches)
             val_losses.append(val_loss)
-            print(f"step {step:4d}  val loss {val_loss:.3f}")
+            print(f"step {step:4d}  val loss {val_loss:.3f}", flush=True)
         if step == steps:
             break
         x, y = get_batch(train, gen, batch, seq)

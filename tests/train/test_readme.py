@@ -123,6 +123,9 @@ def test_make_targets_exist() -> None:
         assert proc.returncode == 0, (argv, proc.stderr)
         if argv[1] in ("sample", "plot", "report", "export"):
             assert f"isotrain {argv[1]} /tmp/isotrain-readme-run" in proc.stdout
+    args = ["make", "-n", "-C", str(ROOT), "train", "ARGS=--steps 2000 --out-dir runs/x"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert "isotrain train --steps 2000 --out-dir runs/x\n" in proc.stdout  # ARGS pass through
 
 
 def _run(argv: list[str]) -> int:
