@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = build(args.model, layers)
     report = quantize_layers(model, bits=8, exclude=["lm_head"])  # before checkpoint, compile
-    print(report, flush=True)  # quantized 8 layer(s) for GPT-2; embeddings and the excluded head kept
+    print(report, flush=True)  # quantized 8 layer(s) for GPT-2; embeddings, the excluded head kept
     apply_activation_checkpointing(model, policy="full")  # HF's block list is found by itself
     compile_model(model, backend=args.backend, dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
