@@ -8,7 +8,10 @@ transformer encoder (bytes autograd keeps for backward, counted exactly on any d
     python examples/memory_budget.py --budget 40%      # or --budget 3MB, --budget 2e6
     python examples/memory_budget.py --smoke           # seconds
 
-MEASURED
+Measured once on 2 CPU cores shared with other jobs (Intel Xeon): the full run (6 blocks,
+120 steps, a line every 20) took 176 s of CPU time, 319 s wall; budget:40% checkpointed 4 of
+6 blocks, 14.7 MB saved against 38.4 MB without (38%); val loss 3.560 -> 0.501, every step
+applied. A skipped step (the guard's spike check) is counted and explained at the end.
 
 Patterns: ``measure_activation_memory`` and ``apply_activation_checkpointing`` (in place: the
 model's class and state-dict keys do not change), ``StepGuard`` and ``eval_mode``.
@@ -71,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
     p.add_argument("--budget", default="40%", help="saved-activation budget: bytes or % of none")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=120)
     args = p.parse_args(argv)
     d, heads, layers, batch, seq, steps = (
-        (32, 4, 4, 8, 32, 25) if args.smoke else (128, 4, 8, 16, 128, args.steps)
+        (32, 4, 4, 8, 32, 25) if args.smoke else (64, 4, 6, 16, 96, args.steps)
     )
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = loss_fn(model(x), y)
         loss.backward()  # checkpointed blocks recompute their forward here
         guard.step(loss.detach())
-        if step % 50 == 0 or step == steps:  # sync: a progress line every 50 steps
+        if step % 20 == 0 or step == steps:  # sync: a progress line every 20 steps
             print(f"step {step}/{steps}: loss {loss.item():.3f} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     s = guard.summary()  # the one host read of the guard's counters

@@ -1,8 +1,11 @@
 """The seed's loop shape with isotrain's pieces: a causal 1-D CNN learns the next byte of
 Python's own standard library sources.
 
-    python examples/seed_loop.py            # about a minute on a laptop CPU
+    python examples/seed_loop.py            # minutes: see below (--no-amp for float32)
     python examples/seed_loop.py --smoke    # a few seconds
+
+Measured once on 2 CPU cores shared with other jobs (Intel Xeon, bf16 autocast): the full run
+(300 steps, a line every 50) took 322 s of CPU time, 729 s wall; val loss 5.651 -> 1.519.
 
 Patterns: ``autocast_if_available`` (bf16 where the device supports it, else a no-op),
 ``safe_backward`` (skip a step whose loss or gradient is non-finite), ``eval_mode`` (validation
