@@ -3,6 +3,7 @@
 # pip call is constrained to the torch it installed (torch-pin.txt), so no extra pulls another.
 # `make train` installs what training and its follow-ups need (plots, export); test, lint, docs
 # and bench add the dev tools. `make sample|plot|report|export` act on RUN (default runs/default).
+# `make train ARGS="--steps 2000"` passes flags through to `isotrain train`.
 # `make lint`: ruff (style) and mypy (strict types on src/isotrain).
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
@@ -12,6 +13,7 @@ RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 PIN := $(VENV)/torch-pin.txt
 RUN ?= runs/default
+ARGS ?=
 ISOTRAIN := $(VENV)/bin/isotrain
 
 .PHONY: train sample plot report export test lint bench docs clean
@@ -29,7 +31,7 @@ $(DEV_STAMP): $(RUN_STAMP)
 	touch $(DEV_STAMP)
 
 train: $(RUN_STAMP)
-	$(ISOTRAIN) train
+	$(ISOTRAIN) train $(ARGS)
 
 sample: $(RUN_STAMP)
 	$(ISOTRAIN) sample $(RUN)

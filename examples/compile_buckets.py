@@ -6,6 +6,8 @@ each block in place, warm up one graph per bucket, then forbid compiling: a reco
 
     python examples/compile_buckets.py --backend inductor   # real kernels (needs a C++ compiler)
     python examples/compile_buckets.py --smoke              # backend "eager": seconds
+Measured on 2 shared CPU cores (Xeon), eager: the full run (123 steps) took 49 s of CPU time,
+167 s wall; 8 warm-up graphs, train loss 3.027 -> 1.078, then 0 compilations, 0 recompiles.
 
 Patterns: ``compile_model`` / ``warmup`` / ``no_recompiles`` / ``track_compiles`` and the
 bucketing helpers ``BucketBatchSampler`` / ``pad_to_bucket`` (isotrain.compile), plus
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
     p.add_argument("--backend", default="eager", help='"eager", "aot_eager" or "inductor"')
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=1)
     args = p.parse_args(argv)
     max_len, n_docs, epochs, batch = (64, 96, 1, 8) if args.smoke else (128, 2000, args.epochs, 16)
 
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
                 loss.backward()
                 losses.append(guard.step(loss.detach()).loss)  # device tensors: no sync
+                if len(losses) % 25 == 0:  # progress without reading a tensor
+                    print(f"  {len(losses)} steps", flush=True)
             with eval_mode(model) as m:  # eval graphs were warmed up too
                 x, y, _ = pad_to_bucket(docs[:batch], buckets=buckets)
                 val = F.cross_entropy(m(x).flatten(0, 1), y.flatten(), ignore_index=-100)

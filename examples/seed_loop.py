@@ -1,8 +1,11 @@
 """The seed's loop shape with isotrain's pieces: a causal 1-D CNN learns the next byte of
 Python's own standard library sources.
 
-    python examples/seed_loop.py            # about a minute on a laptop CPU
+    python examples/seed_loop.py            # minutes: see below (--no-amp for float32)
     python examples/seed_loop.py --smoke    # a few seconds
+
+Measured once on 2 CPU cores shared with other jobs (Intel Xeon, bf16 autocast): the full run
+(300 steps, a line every 50) took 322 s of CPU time, 729 s wall; val loss 5.651 -> 1.519.
 
 Patterns: ``autocast_if_available`` (bf16 where the device supports it, else a no-op),
 ``safe_backward`` (skip a step whose loss or gradient is non-finite), ``eval_mode`` (validation
@@ -78,14 +81,14 @@ def sample(model: nn.Module, prompt: bytes, n: int) -> bytes:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="a few seconds on CPU")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--no-amp", dest="amp", action="store_false", help="stay in float32")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.smoke:
         steps, width, layers, batch, seq, n_val, eval_every = 25, 32, 3, 8, 64, 2, 12
     else:
-        steps, width, layers, batch, seq, n_val, eval_every = args.steps, 96, 6, 32, 128, 8, 100
+        steps, width, layers, batch, seq, n_val, eval_every = args.steps, 96, 6, 32, 128, 8, 50
 
     torch.manual_seed(args.seed)  # model init and dropout
     data = load_bytes()
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     amp = resolve_autocast(enabled=args.amp)  # decide once: does float16 need a GradScaler?
     scaler = torch.amp.GradScaler(amp.device_type) if amp.needs_grad_scaler else None
-    print(f"{len(data):,} bytes of stdlib source; autocast: {amp.reason}")
+    print(f"{len(data):,} bytes of stdlib source; autocast: {amp.reason}", flush=True)
 
     gen = torch.Generator().manual_seed(args.seed)  # the data order, apart from dropout's RNG
     val_losses, skipped = [], 0
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             with eval_mode(model) as m, autocast_if_available(enabled=args.amp):
                 val_loss = sum(loss_fn(m, x, y).item() for x, y in val_batches) / len(val_batches)
             val_losses.append(val_loss)
-            print(f"step {step:4d}  val loss {val_loss:.3f}")
+            print(f"step {step:4d}  val loss {val_loss:.3f}", flush=True)
         if step == steps:
             break
         x, y = get_batch(train, gen, batch, seq)

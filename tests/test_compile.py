@@ -250,6 +250,19 @@ def test_no_recompiles_raises_then_restores_stance():
     assert stats.recompiles == 1
 
 
+def test_no_recompiles_names_the_dimension_that_changed_first():
+    fc = torch.compile(lambda x: x * 3, backend="eager", dynamic=False)
+    fc(torch.randn(8, 4))
+    with pytest.raises(RuntimeError) as info, no_recompiles():
+        fc(torch.randn(5, 4))  # a short last batch
+    lines = str(info.value).splitlines()
+    assert lines[0] == (
+        "no_recompiles: an input's dimension 0 is 5, but warm-up compiled 8 (a batch of another "
+        "size?); warm up this shape too, or pad every batch to 8"
+    )
+    assert "fail_on_recompile" in lines[1]  # torch's own message follows, whole
+
+
 # ------------------------------------------------------------------ buckets + warm-up
 
 

@@ -58,9 +58,9 @@ def check_qat_finetune(capsys: pytest.CaptureFixture[str]) -> None:
     out = run("qat_finetune", capsys)
     (fp32,) = grab(rf"float32 after pre-training: val loss {NUM}", out)
     before8, _, ok8 = grab(rf"8-bit: val loss before QAT {NUM} -> after QAT {NUM} "
-                                r"\(params finite: (\w+)\)", out)  # fmt: skip
+                                r"\(params finite: (\w+);", out)  # fmt: skip
     before4, after4, ok4 = grab(rf"4-bit: val loss before QAT {NUM} -> after QAT {NUM} "
-                                r"\(params finite: (\w+)\)", out)  # fmt: skip
+                                r"\(params finite: (\w+);", out)  # fmt: skip
     assert ok8 == ok4 == "True"
     assert abs(float(before8) - float(fp32)) < 0.02  # 8 bits barely change the model
     assert float(before4) > float(before8) + 0.02  # 4 bits visibly do ...
@@ -189,4 +189,6 @@ def test_example_is_short_standalone_and_documented(name: str) -> None:
     assert len(text.splitlines()) <= 130, "keep examples short: split or simplify"
     assert "isotrain.train" not in text, "examples show the patterns without the trainer"
     assert f"python examples/{name}.py" in text, "say how to run it in the module docstring"
+    doc = text.split('"""')[1]
+    assert re.search(r"[Mm]easured .*\d+ (s|min)", " ".join(doc.split())), "state the measured time"
     assert '"--smoke"' in text and "def main(argv" in text

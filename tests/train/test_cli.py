@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,8 +65,8 @@ def test_sample_from_snapshot_and_from_export_agree(smoke_run, tmp_path, capsys)
 
 def test_plot_and_report(smoke_run, tmp_path, capsys) -> None:
     assert main(["plot", str(smoke_run), "--out", str(tmp_path)]) == 0
-    for name in ("loss.png", "lr.png", "throughput.png", "grad_norm.png"):
-        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    for name in ("loss.png", "lr.png", "throughput.png", "grad_norm.png"):  # OUT/<run name>/
+        assert (tmp_path / smoke_run.name / name).read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["report", str(smoke_run)]) == 0
     out = capsys.readouterr().out
@@ -95,7 +96,10 @@ def test_end_of_run_says_where_things_are_and_what_to_run(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert f"snapshots  {run / 'snapshots'} (latest step_0000002)" in out
     assert f"metrics    {run / 'metrics.jsonl'}, settings {run / 'config.toml'}" in out
-    assert f"next       python -m isotrain sample {run}   (plot, report, export alike)" in out
+    prog = f"{sys.executable} -m isotrain"  # the interpreter that ran, not a bare `python`
+    if shutil.which(Path(sys.executable).name) == sys.executable:
+        prog = f"{Path(sys.executable).name} -m isotrain"
+    assert f"next       {prog} sample {run}   (plot, report, export alike)" in out
     assert "{" not in out.split("run summary")[0]  # a short header, no JSON config line
     for fact in ("model ", "data ", "device ", "precision ", f"run dir    {run} (new run)"):
         assert fact in out
@@ -267,3 +271,31 @@ def test_subprocess_smoke(tmp_path) -> None:
     lines = Path(run / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["kind"] == "summary"
     assert (run / "snapshots" / "step_0000004" / "state.pt").is_file()
+
+
+def test_a_presets_settings_show_in_help_and_in_the_header(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["train", "--help", "presets"])
+    page = capsys.readouterr().out
+    smoke = " ".join(page.split("  smoke ", 1)[1].split())
+    assert "--precision fp32" in smoke and "--snapshot.every 0" in smoke and "--steps 8" in smoke
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    short = capsys.readouterr().out
+    assert "--tokenizer KIND|PATH" in short and "--help presets" in short
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    full = capsys.readouterr().out.splitlines()
+    assert all(len(line) <= 80 for line in full)
+    assert not any(line.rstrip().endswith("-") for line in full)  # no word cut at a hyphen
+    assert any(line.startswith("  smoke ") for line in full)
+    run = tmp_path / "run"
+    argv = ["train", "--preset", "smoke", "--steps", "2", "--data.max-bytes", "60000"]
+    assert main([*argv, "--sample-tokens", "0", "--out-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "  precision  fp32 (--preset smoke)\n" in out  # not a flag nobody passed
+    assert "  settings   --preset smoke (12), flags --data.max-bytes --steps --sample-tokens" in out
+    assert "progress = true" in (run / "config.toml").read_text()  # --config keeps the bar
+    assert [p.name for p in (run / "snapshots").glob("step_*")] == ["step_0000002"]
+    assert main([*argv, "--precision", "fp32", "--out-dir", str(tmp_path / "b")]) == 0
+    assert "  precision  fp32 (--precision fp32)\n" in capsys.readouterr().out

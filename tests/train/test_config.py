@@ -65,7 +65,7 @@ PRESET_VALUES = {
         **{"model.dropout": 0.0, "data.batch_size": 4, "data.max_bytes": 200_000},
         **{"optim.lr": 2e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 2},
         **{"steps": 8, "eval_every": 4, "eval_batches": 2, "log_every": 2},
-        **{"sample_tokens": 16, "progress": False},
+        **{"sample_tokens": 16, "progress": True, "snapshot.every": 0},
     },
 }
 

@@ -91,7 +91,10 @@ def test_bpe_trained_on_text_and_kept_on_resume(corpus, tmp_path, capsys) -> Non
     code = main(["train", *args, "--model.vocab-size", "300", "--tokenizer", "bytes"])
     err = capsys.readouterr().err
     assert code == 2 and f"cannot resume {run}: it trained with {run}/tokenizer.json" in err
-    assert "drop --tokenizer to continue it, or try --steps 4 to train it further" in err
+    assert "; drop --tokenizer bytes to continue it, or try a new --out-dir" in err
+    code = main(["train", *args, "--model.vocab-size", "300", "--init-from", str(run)])
+    err = capsys.readouterr().err  # no --tokenizer given: none to drop, no --steps to guess
+    assert code == 2 and "--tokenizer" not in err.split(";", 1)[1] and "--steps" not in err
 
 
 def test_nanogpt_folder_of_unknown_ids(tmp_path, capsys) -> None:
@@ -201,3 +204,37 @@ def test_fine_tune_a_gpt2_saved_by_transformers(corpus, tmp_path) -> None:
         r".*gpt2/tokenizer.json",
     ):
         setup(dataclasses.replace(cfg, out_dir=str(tmp_path / "ft2")))
+
+
+def test_the_vocabulary_size_comes_from_the_tokenizer(corpus, tmp_path, capsys, caplog) -> None:
+    from isotrain.train.inputs import load_inputs
+
+    data = tmp_path / "data"
+    prep = ["prepare", "--input", str(corpus / "src"), "--out", str(data), "--no-progress"]
+    assert main([*prep, "--tokenizer", "bpe", "--vocab-size", "320"]) == 0
+    tokenizer = str(data / "tokenizer.json")
+
+    def vocab(out: str, **kw) -> int:
+        return load_inputs(_cfg(tmp_path / out, **kw))[0].model.vocab_size
+
+    with caplog.at_level("INFO"):
+        assert vocab("a", path=str(data)) == 320  # a prepared folder's meta.json
+        assert vocab("b", path=str(corpus / "src"), tokenizer=tokenizer) == 320
+    assert "--model.vocab-size 320: the size of" in caplog.text
+    caplog.clear()
+
+    def given(size: int, out: str) -> C.TrainConfig:
+        cfg = _cfg(tmp_path / out, path=str(corpus / "src"), tokenizer=tokenizer)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size))
+        return load_inputs(cfg)[0]
+
+    assert given(384, "c").model.vocab_size == 384 and not caplog.text  # padded to 128: fine
+    assert given(1600, "d").model.vocab_size == 1600
+    assert "--model.vocab-size 1600 is larger than" in caplog.text
+    assert "(320): 1280 embedding rows (40,960 parameters) are never used" in caplog.text
+    with pytest.raises(C.ConfigError) as info:
+        given(300, "e")
+    assert str(info.value).startswith("--model.vocab-size 300 is too small for ")
+    assert str(info.value).endswith(
+        "; pass --model.vocab-size 320, or leave it out to take the tokenizer's"
+    )

@@ -2,37 +2,29 @@
 
 Every command of every bash block must be one a fresh clone can run: a `make` target, or a
 program in `.venv` (`isotrain`, `pip`, `python`, `torchrun`). `make` targets are checked with
-`make -n`; the commands of "The trainer" run in-process, in order, in a temporary directory
-where a smoke run stands in for `make train`'s `runs/default`; the other sections' commands
-(long trainings, torchrun) are parsed, so every flag they use exists. Each command's optional
-packages must be installed by `make train` or by a `pip install` the README shows before it.
+`make -n`; then every command runs in-process, in order, in one temporary directory after
+`make train`'s job, as a new user would type them (long ones with a few steps; torchrun's
+are parsed). Each command's optional packages must be installed by `make train` or by a
+`pip install` the README shows before it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from isotrain.train.cli import commands
-from isotrain.train.cli.args import parse
-from isotrain.train.cli.doctor import DoctorArgs
 from isotrain.train.cli.main import main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_SECTIONS = ("The trainer",)
-ARGS = {
-    "prepare": commands.PrepareArgs,
-    "sample": commands.SampleArgs,
-    "plot": commands.PlotArgs,
-    "report": commands.ReportArgs,
-    "export": commands.ExportArgs,
-    "doctor": DoctorArgs,
-}
 
 
 def readme_commands() -> list[tuple[str, dict[str, str], list[str]]]:
@@ -130,6 +122,9 @@ def test_make_targets_exist() -> None:
         assert proc.returncode == 0, (argv, proc.stderr)
         if argv[1] in ("sample", "plot", "report", "export"):
             assert f"isotrain {argv[1]} /tmp/isotrain-readme-run" in proc.stdout
+    args = ["make", "-n", "-C", str(ROOT), "train", "ARGS=--steps 2000 --out-dir runs/x"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert "isotrain train --steps 2000 --out-dir runs/x\n" in proc.stdout  # ARGS pass through
 
 
 def _run(argv: list[str]) -> int:
@@ -140,40 +135,155 @@ def _run(argv: list[str]) -> int:
         return int(e.code or 0)
 
 
-def test_the_trainer_commands_run_as_written(tmp_path, monkeypatch, capsys) -> None:
+# What the README's long commands (marked "(minutes)") run with here instead: a few steps.
+FEW_STEPS = ["--steps", "2", "--data.batch-size", "2", "--eval-batches", "1"]
+FEW_STEPS += ["--sample-tokens", "8", "--precision", "fp32", "--data.max-bytes", "200000"]
+NOT_RUN = {".venv/bin/pip", ".venv/bin/torchrun"}  # installs (done), and many processes
+NOT_RUN_MAKE = {"test", "lint", "bench", "docs"}  # the suite itself, dev tools
+
+
+def _make_argv(target: str) -> list[str]:
+    """The isotrain command a make target runs (`make -n`), as argv for main()."""
+    text = (ROOT / "Makefile").read_text()
+    recipe = text.split(f"\n{target}:", 1)[1].split("\n\t", 1)[1].split("\n", 1)[0]
+    words = recipe.replace("$(ISOTRAIN)", "isotrain").replace("$(RUN)", "runs/default").split()
+    return [w for w in words if not w.startswith("$(")][1:]
+
+
+def _user_files(root: Path) -> None:
+    """What the README's commands take as the user's own: notes, code, a corpus, a local GPT-2
+    folder, a nanoGPT data folder with its tokenizer."""
+    from isotrain.train.data.tokenizer import HFTokenizer, text_chunks
+
+    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)]
+    for folder, name, n in (
+        ("notes", "n{}.txt", 3),
+        ("src/pkg", "m{}.py", 3),
+        ("corpus/a", "c{}.txt", 3),
+    ):
+        (root / folder).mkdir(parents=True)
+        for i in range(n):
+            (root / folder / name.format(i)).write_text("".join(lines[i::n]))
+    (root / "tests").mkdir()
+    (root / "tests/test_x.py").write_text("".join(lines[:200]))
+    tok = HFTokenizer.train_bpe(text_chunks("".join(lines)), 300)
+    (root / "gpt2").mkdir()
+    tok.save(root / "gpt2/tokenizer.json")
+    owt = root / "nanoGPT/data/openwebtext"
+    owt.mkdir(parents=True)
+    ids = np.array(tok.encode("".join(lines)), dtype=np.uint16)
+    ids[: len(ids) * 9 // 10].tofile(owt / "train.bin")
+    ids[len(ids) * 9 // 10 :].tofile(owt / "val.bin")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64)
+    transformers.GPT2LMHeadModel(config).save_pretrained(root / "models/gpt2")
+    tok.save(root / "models/gpt2/tokenizer.json")
+    (root / "train.py").write_text(DOCTOR_SETUP)
+
+
+# A user's own script for `isotrain doctor train.py`: a clean loop, so the doctor exits 0.
+DOCTOR_SETUP = """
+import torch
+import torch.nn.functional as F
+
+
+def doctor_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
+    return {
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+        "batches": batches,
+        "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+    }
+"""
+
+
+@pytest.mark.slow
+def test_the_readme_walks_through_in_one_directory_after_make_train(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """Every command in every bash block, in order, in one fresh directory where `make
+    train`'s job has run: a new user's second hour. Commands marked "(minutes)" run with
+    FEW_STEPS appended; installs and torchrun are left out (torchrun's are parsed, and must
+    name their --out-dir, so they never meet runs/default)."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     monkeypatch.chdir(tmp_path)
     for name in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb-home"))
-    # what `make train` leaves, in seconds
-    assert main(["train", "--preset", "smoke", "--out-dir", "runs/default"]) == 0
-    ran = 0
-    for section, env, argv in COMMANDS:
-        if section not in RUN_SECTIONS or argv[0] != ".venv/bin/isotrain":
+    _user_files(tmp_path)
+    ran, left_out = [], []
+    times: list[tuple[float, str]] = []
+    for _section, env, argv in COMMANDS_WITH_NOTES:
+        command, note = argv
+        if command[0] in NOT_RUN or (command[0] == "make" and command[1] in NOT_RUN_MAKE):
+            left_out.append(command)
+            if command[0] == ".venv/bin/torchrun":
+                isotrain = command[command.index("isotrain") + 1 :]
+                assert "--out-dir" in isotrain, command  # never the default run directory
+                parse_train_args(isotrain[1:])
             continue
+        if command[0] == "make":
+            assert len(command) == 2 or command[2].startswith("TORCH="), command
+            if len(command) > 2:  # make train TORCH=...: another torch build, not here
+                left_out.append(command)
+                continue
+            args = _make_argv(command[1])
+        elif command[0] == ".venv/bin/python":
+            assert command[1] == "-c", command
+            exec(command[2], {})  # the README's own snippet, as `python -c` runs it
+            ran.append(command)
+            continue
+        else:
+            args = command[1:]
+        if "(minutes)" in note:
+            args = [*args, *FEW_STEPS]
         for key, value in env.items():
             monkeypatch.setenv(key, value)
         capsys.readouterr()
-        code = _run(argv[1:])
-        assert code == 0, (" ".join(argv), capsys.readouterr().err)
-        ran += 1
-    assert ran >= 10
-    for path in ("plots/loss.png", "model.safetensors", "my-gpt/config.json"):
+        t0 = time.perf_counter()
+        code = _run(args)
+        assert code == 0, (" ".join(command), capsys.readouterr().err)
+        times.append((time.perf_counter() - t0, " ".join(command)[:70]))
+        ran.append(command)
+    if os.environ.get("ISOTRAIN_README_TIMES"):  # a file to write each command's seconds to
+        lines = [f"{t:6.1f} s  {c}\n" for t, c in sorted(times)[::-1]]
+        Path(os.environ["ISOTRAIN_README_TIMES"]).write_text("".join(lines))
+    assert len(ran) >= 25 and len(left_out) <= 10, (len(ran), left_out)
+    for path in ("plots/default/loss.png", "model.safetensors", "my-gpt/config.json"):
         assert (tmp_path / path).is_file(), path
-    for path in ("runs/logged/csv", "runs/logged/tensorboard", "runs/logged/wandb"):
+    for path in ("runs/logged/csv", "runs/logged/tensorboard", "runs/tuned/hf", "runs/owt"):
         assert (tmp_path / path).is_dir(), path
+    assert {p.name for p in tmp_path.iterdir()} <= {  # nothing the README did not name
+        "runs", "plots", "model.safetensors", "my-gpt", "data", "wandb-home",
+        "notes", "src", "corpus", "tests", "gpt2", "models", "nanoGPT", "train.py", "doctor.json",
+    }  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [a for s, _, a in COMMANDS if s not in RUN_SECTIONS and "isotrain" in " ".join(a)],
-    ids=lambda a: " ".join(a)[:60],
-)
-def test_the_other_sections_commands_parse(argv) -> None:
-    isotrain = argv[argv.index("isotrain") + 1 :] if "-m" in argv else argv[1:]
-    command, rest = isotrain[0], isotrain[1:]
-    if command == "train":
-        parse_train_args(rest)
-    else:
-        parse(ARGS[command], rest, f"isotrain {command}")
+def readme_commands_with_notes() -> list[tuple[str, dict[str, str], tuple[list[str], str]]]:
+    """As readme_commands, each with the comment text of its line (for "(minutes)")."""
+    out, section, block = [], "", None
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("## "):
+            section = line[3:].strip()
+        elif line.strip() == "```bash":
+            block = []
+        elif line.strip() == "```" and block is not None:
+            for command in re.sub(r"\\\n\s*", " ", "\n".join(block)).splitlines():
+                note = command.split(" # ", 1)[1] if " # " in command else ""
+                words = shlex.split(command, comments=True)
+                env = {}
+                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+                    key, _, value = words.pop(0).partition("=")
+                    env[key] = value
+                if words:
+                    out.append((section, env, (words, note)))
+            block = None
+        elif block is not None:
+            block.append(line)
+    return out
+
+
+COMMANDS_WITH_NOTES = readme_commands_with_notes()

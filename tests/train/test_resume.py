@@ -78,15 +78,17 @@ def test_resume_refuses_a_shape_change(tmp_path) -> None:
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=64))
     with pytest.raises(
         C.ConfigError,
-        match=r"cannot resume: --model.d-model is 64 but the snapshot was trained with 32",
+        match=r"cannot resume .*: its model has another shape \(it has --model.d-model 32; "
+        r"this command: 64\); pass that to continue it",
     ):
         train(cfg)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=32, bias=False))
     with pytest.raises(C.ConfigError) as info:
         train(cfg)
     assert str(info.value) == (  # the fix is a flag the CLI accepts (not "--model.bias True")
-        "cannot resume: --model.bias is False but the snapshot was trained with True; try "
-        "--model.bias, or a new --out-dir"
+        f"cannot resume {cfg.out_dir}: its model has another shape (it has --model.bias; this "
+        "command: False); pass that to continue it, or a new --out-dir for a new run, or "
+        f"--init-from {cfg.out_dir} to start a new run from its weights"
     )
 
 

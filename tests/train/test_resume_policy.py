@@ -30,14 +30,9 @@ def finished(tmp_path) -> Path:
     ("extra", "message"),
     [
         (
-            [],
-            "already finished: it trained 4 of --steps 4; try --steps 8 to train it further, "
-            "a new --out-dir for a new run, or --init-from {run} to start a new run",
-        ),
-        (
             ["--steps", "6", "--seed", "7"],
-            "holds a run with --seed 1337, not 7: resuming would "
-            "continue that run on something else; try --steps 12",
+            "holds a run with --seed 1337, not 7: resuming would continue that run on "
+            "something else; try a new --out-dir for a new run, or --init-from {run} to start",
         ),
         (
             ["--steps", "6", "--data.val-fraction", "0.2"],
@@ -53,6 +48,46 @@ def test_a_resume_that_would_mislead_is_refused(finished, capsys, extra, message
     assert code == 2 and message.format(run=finished) in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert _tree(finished) == before
+
+
+def test_the_same_command_on_a_finished_run_says_it_is_complete(finished, capsys) -> None:
+    before = _tree(finished)
+    capsys.readouterr()
+    assert main(["train", *SMOKE, "--steps", "4", "--out-dir", str(finished)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (
+        f"isotrain train: {finished} is complete: it trained 4 of --steps 4; pass --steps 8 to "
+        "train it further, or a new --out-dir for a new run"
+    )
+    assert any(ln.startswith("next ") for ln in out) and f"sample {finished}" in out[-1]
+    assert _tree(finished) == before
+
+
+def test_a_command_without_out_dir_is_refused_by_another_run_in_runs_default(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *SMOKE, "--steps", "2", "--out-dir", "runs/default"]) == 0
+    before = _tree(tmp_path / "runs")
+    capsys.readouterr()
+    assert main(["train", *SMOKE, "--steps", "2", "--model.n-layer", "3"]) == 2
+    assert capsys.readouterr().err == (
+        "isotrain train: error: runs/default holds another run (it has --model.n-layer 2; this "
+        "command: 3), so this command is a new run: pass --out-dir runs/smoke (or any new "
+        "directory)\n"
+    )
+    (tmp_path / "runs/smoke").mkdir()  # the name offered is always a fresh one
+    assert main(["train", *SMOKE, "--steps", "2", "--seed", "5", "--data.path", "notes/"]) == 2
+    err = capsys.readouterr().err
+    assert "(it has --data.path unset --seed 1337; this command: 'notes/', 5)" in err, err
+    assert "pass --out-dir runs/smoke-notes (or" in err
+    assert main(["train", *SMOKE, "--steps", "2", "--model.n-layer", "3"]) == 2
+    assert "pass --out-dir runs/smoke-2 (or" in capsys.readouterr().err
+    assert _tree(tmp_path / "runs") == before
+    # the same run with more steps continues it; --out-dir runs/default gets the resume's checks
+    assert main(["train", *SMOKE, "--steps", "3"]) == 0
+    assert main(["train", *SMOKE, "--steps", "4", "--seed", "5", "--out-dir", "runs/default"]) == 2
+    assert "holds a run with --seed 1337, not 5" in capsys.readouterr().err
 
 
 def test_more_steps_continue_the_run(finished) -> None:

@@ -184,7 +184,7 @@ def test_report_and_plot_tolerate_a_torn_last_line(tmp_path, capsys, caplog) -> 
     assert "last_train_loss" in capsys.readouterr().out
     assert main(["plot", "--run", str(run), "--out", str(tmp_path / "plots")]) == 0
     assert "skipped 1 unreadable line(s)" in caplog.text
-    assert (tmp_path / "plots" / "loss.png").is_file()
+    assert (tmp_path / "plots" / "run" / "loss.png").is_file()
 
 
 # ------------------------------------------------------------------------- leftovers

@@ -37,18 +37,45 @@ def test_each_skip_is_recorded_marked_and_counted(tmp_path, log_every) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = loss_figure(plt, records)
+    fig = loss_figure(plt, records, run)
     try:
-        (marks,) = [c for c in fig.axes[0].collections if c.get_gid() == "skips"]
+        ax = fig.axes[0]
+        (marks,) = [c for c in ax.collections if c.get_gid() == "skips"]
         xs = sorted(seg[0][0] for seg in marks.get_segments())
+        counts = [(t.xy[0], t.get_text()) for t in ax.texts if t.get_gid() == "skip-count"]
+        title, legend = ax.get_title(), [t.get_text() for t in ax.get_legend().get_texts()]
     finally:
         plt.close(fig)
-    assert xs == INJECTED
+    assert xs == [3, 7, 11] and counts == [(3, "×2")]  # 3 and 4 are one mark, counted
+    assert title == "loss: run" and f"skipped step ({len(INJECTED)})" in legend
 
     facts = summarize_run(run)
     assert facts["skipped_steps"] == len(INJECTED)
     assert facts["skipped_by_reason"] == f"nonfinite_loss {len(INJECTED)}"
     assert facts["skipped_at_steps"] == ", ".join(map(str, INJECTED))
+
+
+def test_adjacent_skips_cluster_and_resumes_are_marked(tmp_path) -> None:
+    from isotrain.train.report.plots import clusters, plot_run, resumes
+
+    assert clusters([5, 6, 7, 20, 40, 41], gap=1) == [(5, 3), (20, 1), (40, 2)]
+    assert clusters([100, 106, 300], gap=6) == [(100, 2), (300, 1)]
+    run = tmp_path / "run"
+    argv = ["train", *SMOKE, "--guard.inject-nan-at", "3", "--out-dir", str(run)]
+    assert main([*argv, "--steps", "4"]) == 0
+    assert main([*argv, "--steps", "6"]) == 0
+    records = read_metrics(run)
+    assert resumes(records) == [4]
+    out = plot_run(run, tmp_path / "plots")
+    assert [p.parent for p in out] == [tmp_path / "plots" / "run"] * 4  # never another run's
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(plt, records, run)
+    try:
+        (back,) = [c for c in fig.axes[0].collections if c.get_gid() == "resumes"]
+        assert [seg[0][0] for seg in back.get_segments()] == [4]
+    finally:
+        plt.close(fig)
 
 
 def test_skip_log_reads_every_step_once_in_order(monkeypatch) -> None:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from isotrain.train.cli.main import main
+from isotrain.train.environment import install_hint
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
 HUGE = str(2**70)
-TRY = "; try isotrain train --help"  # tyro's own parse errors end so
 
 # (id, flags, TOML text or None, the whole error after "isotrain train: error: ")
 # <file> is a regular file, <toml> the TOML file of the case: both are filled in per test.
@@ -32,18 +32,17 @@ TRAIN_CASES = [
     ("dropout-nan", ["--model.dropout", "nan"], None,
      "--model.dropout nan is invalid: it must be a finite number; try --model.dropout 0.0"),
     ("precision-fp8", ["--precision", "fp8"], None,
-     "invalid choice 'fp8' for argument '--precision'. Expected one of ('auto', 'fp32', "
-     "'bf16', 'fp16')" + TRY),
+     "--precision fp8 is not one of auto, fp32, bf16, fp16; try --precision fp32"),
     ("precision-fp8", [], 'precision = "fp8"\n',
      "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'auto', 'fp32', "
      "'bf16', 'fp16'; try precision = \"fp32\""),
     ("subnormals-off", ["--subnormals", "off"], None,
-     "invalid choice 'off' for argument '--subnormals'. Expected one of ('flush', 'keep')" + TRY),
+     "--subnormals off is not one of flush, keep; try --subnormals flush"),
     ("subnormals-off", [], 'subnormals = "off"\n',
      "--config <toml>: subnormals = \"off\" is invalid: it must be one of 'flush', 'keep'; "
      "try subnormals = \"flush\""),
     ("steps-true", ["--steps", "true"], None,
-     "Error parsing --steps: invalid literal for int() with base 10: 'true'" + TRY),
+     "--steps true is not an integer; try --steps 8"),
     ("steps-true", [], "steps = true\n",
      "--config <toml>: steps = true is invalid: it must be an integer; try steps = 8"),
     ("steps-string", [], 'steps = "8"\n',
@@ -76,7 +75,17 @@ TRAIN_CASES = [
      "--compile.mode fast is invalid: use one of ('default', 'reduce-overhead', "
      "'max-autotune', 'max-autotune-no-cudagraphs'); try --compile.mode None"),
     ("unknown-flag", ["--model.width", "3"], None,
-     "Unrecognized options: --model.width, 3" + TRY),
+     "unknown option --model.width; try isotrain train --help"),
+    ("misspelt-flag", ["--stepz", "50"], None, "unknown option --stepz; did you mean --steps?"),
+    ("flag-without-section", ["--lr", "1e-3"], None,
+     "unknown option --lr; did you mean --optim.lr?"),
+    ("steps-word", ["--steps", "fifty"], None, "--steps fifty is not an integer; try --steps 8"),
+    ("steps-no-value", ["--steps"], None, "--steps needs a value; try --steps 8"),
+    ("lr-word", ["--optim.lr=fast"], None, "--optim.lr fast is not a number; try --optim.lr 0.002"),
+    ("switch-with-value", ["--no-progress=1"], None,
+     "--no-progress takes no value; try --no-progress alone"),
+    ("stray-word", ["--no-progress", "yes"], None,
+     "unexpected argument 'yes'; try isotrain train --help"),
     ("unknown-key", [], "[model]\nwidth = 3\n",
      "--config <toml>: unknown setting 'model.width'; try one of n_layer, n_head, d_model, "
      "block_size, vocab_size, dropout, bias, gelu"),
@@ -106,13 +115,13 @@ TRAIN_CASES = [
      "--device 'cuda:64': this machine has no such device; try --device cpu"),
     ("tensorboard-missing", ["--report.loggers", "jsonl", "tensorboard"], None,
      "--report.loggers tensorboard needs the tensorboard package, which is not installed; "
-     "try pip install 'isotrain[tensorboard]'"),
+     f"try {install_hint('tensorboard')}"),
     ("wandb-missing", ["--report.loggers", "csv,wandb"], None,
      "--report.loggers wandb needs the wandb package, which is not installed; "
-     "try pip install 'isotrain[wandb]'"),
+     f"try {install_hint('wandb')}"),
     ("logger-unknown", ["--report.loggers", "jsonl,mlflow"], None,
-     "invalid choice 'mlflow' for argument '--report.loggers'. Expected one of ('jsonl', "
-     "'csv', 'tensorboard', 'wandb')" + TRY),
+     "--report.loggers mlflow is not one of jsonl, csv, tensorboard, wandb; "
+     "try --report.loggers jsonl"),
     ("logger-unknown", [], '[report]\nloggers = ["jsonl", "mlflow"]\n',
      "--config <toml>: report.loggers = [\"jsonl\", \"mlflow\"] is invalid: it must be a list "
      "of values from 'jsonl', 'csv', 'tensorboard', 'wandb'; try [report] loggers = "
@@ -132,7 +141,7 @@ TRAIN_CASES = [
      "--preset needs a value; try isotrain train --help"),
     ("help-unknown-section", ["--help", "modle"], None,
      "--help modle: no such section; try one of model, data, optim, checkpointing, compile, "
-     "guard, quant, snapshot, parallel, report, run"),
+     "guard, quant, snapshot, parallel, report, run, presets"),
     ("data-missing", ["--data.path", "<file>.missing"], None,
      "--data.path <file>.missing: no such file or directory"),
 ]  # fmt: skip
@@ -211,31 +220,32 @@ OTHER_CASES = [
      "isotrain sample: error: --top-p 1.5 is invalid: use a probability in (0, 1], or None "
      "(off); try --top-p 0.9"),
     ("sample-tokens-text", ["sample", "<run>", "--tokens", "many"],
-     "isotrain sample: error: Error parsing --tokens: invalid literal for int() with base 10: "
-     "'many'; try isotrain sample --help"),
+     "isotrain sample: error: --tokens many is not an integer; try --tokens 200"),
     ("sample-prompt-file", ["sample", "<run>", "--prompt-file", "<dir>/none.txt"],
      "isotrain sample: error: --prompt-file <dir>/none.txt: no such file"),
     ("export-safetensors-missing", ["export", "<run>", "--out", "<dir>/m.safetensors"],
-     "isotrain export: error: export needs safetensors; try pip install 'isotrain[export]'"),
+     f"isotrain export: error: export needs safetensors; try {install_hint('export')}"),
     ("prepare-no-input", ["prepare", "--out", "<dir>/p"],
-     "isotrain prepare: error: --input is required; try isotrain prepare --help"),
+     "isotrain prepare: error: --input is required; try isotrain prepare --input INPUT ..."),
+    ("prepare-nothing", ["prepare"],
+     "isotrain prepare: error: --input and --out are required; "
+     "try isotrain prepare --input INPUT ... --out OUT"),
     ("prepare-tokenizers-missing",
      ["prepare", "--input", "<file>", "--out", "<dir>/p", "--tokenizer", "bpe"],
      "isotrain prepare: error: BPE and tokenizer.json files need Hugging Face tokenizers; "
-     "try pip install 'isotrain[data]'"),
+     f"try {install_hint('data')}"),
     ("export-onto-a-directory", ["export", "--run", "<run>", "--out", "<dir>"],
      "isotrain export: error: --out <dir> is a directory; try another --out"),
     ("export-under-a-file", ["export", "--run", "<run>", "--out", "<file>/m.safetensors"],
      "isotrain export: error: --out <file>/m.safetensors lies under the file <file>; "
      "try another --out"),
     ("export-which", ["export", "--run", "<run>", "--which", "worst"],
-     "isotrain export: error: invalid choice 'worst' for argument '--which'. Expected one of "
-     "('latest', 'best'); try isotrain export --help"),
+     "isotrain export: error: --which worst is not one of latest, best; try --which latest"),
     ("plot-onto-a-file", ["plot", "--run", "<run>", "--out", "<file>"],
      "isotrain plot: error: --out <file> is a file; try another --out"),
     ("plot-without-matplotlib", ["plot", "--run", "<run>", "--out", "<dir>"],
      "isotrain plot: error: plots need matplotlib, which is not installed; "
-     "try pip install 'isotrain[plots]'"),
+     f"try {install_hint('plots')}"),
     ("report-not-a-run", ["report", "--run", "<dir>"],
      "isotrain report: error: <dir>/metrics.jsonl: no metrics file; try the --out-dir of an "
      "isotrain train run"),
@@ -275,3 +285,28 @@ def test_bad_paths_and_files_of_the_other_commands_are_one_line(
     assert main([fill(a) for a in argv]) == 2
     assert capsys.readouterr().err == fill(expected) + "\n"
     assert _files(existing_run) == before
+
+
+def test_a_torchrun_worker_other_than_rank_0_leaves_the_message_to_rank_0(
+    monkeypatch, capsys
+) -> None:
+    line = "isotrain train: error: --steps x is not an integer; try --steps 1000\n"
+    for rank, said in (("1", ""), ("0", line)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--steps", "x"]) == 2
+        assert capsys.readouterr().err == said
+
+
+def test_the_install_hint_is_the_command_this_environment_needs(tmp_path, monkeypatch) -> None:
+    root = Path(__file__).resolve().parents[2]
+    pip = Path(sys.executable).with_name("pip")
+    if not (root / "pyproject.toml").is_file() or not pip.is_file():
+        pytest.skip("isotrain is not run from a source checkout with pip beside python")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no pip on the PATH: name the venv's own
+    monkeypatch.chdir(root)
+    assert (
+        install_hint("data") == f"{pip.relative_to(root) if pip.is_relative_to(root) else pip}"
+        " install -e '.[data]'"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert install_hint("data").endswith(f" install -e '{root}[data]'")

@@ -11,6 +11,7 @@ never executes) and the compiled graphs that ran (`note_graph`, NOTE [graphs tha
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 import warnings
 import weakref
@@ -234,5 +235,25 @@ def no_recompiles() -> Iterator[None]:
     try:
         with torch.compiler.set_stance("fail_on_recompile"):
             yield
+    except RuntimeError as e:
+        cause = _recompile_cause(str(e))
+        if cause is None:
+            raise
+        raise RuntimeError(f"{cause}\n{e}") from e
     finally:
         _STRICT[0] -= 1
+
+
+def _recompile_cause(message: str) -> str | None:
+    """The first line a user needs from torch's fail_on_recompile error, whose cause sits in a
+    list of guard failures: which dimension changed, and the fix."""
+    if "fail_on_recompile" not in message:
+        return None
+    size = re.search(r"size mismatch at index (\d+)\. expected (\d+), actual (\d+)", message)
+    if size is None:
+        return "no_recompiles: this call needs a new graph (torch's guard failures below)"
+    dim, warm, now = size.groups()
+    return (
+        f"no_recompiles: an input's dimension {dim} is {now}, but warm-up compiled {warm} "
+        f"(a batch of another size?); warm up this shape too, or pad every batch to {warm}"
+    )

@@ -228,9 +228,9 @@ class TrainConfig:
     progress: bool = True
     """Show a live progress display on the terminal."""
     tokenizer: str = "auto"
-    """auto | bytes | bpe | ids | PATH/tokenizer.json. auto: the run's own on resume, else the one
-    --init-from or a prepared dataset names, else bytes. bpe: byte-level BPE trained here on
-    the training text, --model.vocab-size tokens. ids: token files whose tokenizer is unknown."""
+    """auto | bytes | bpe | ids | PATH/tokenizer.json. auto: the run's own on resume, else
+    --init-from's or a prepared folder's, else bytes; bpe: learned here from the training
+    text; ids: token files of an unknown tokenizer."""
     tokenizer_sha256: str = ""
     """sha256 of the run's tokenizer.json, recorded by the trainer ('' for bytes and ids); set it
     to refuse any other tokenizer."""
@@ -266,7 +266,7 @@ def _smoke() -> TrainConfig:
         log_every=2,
         sample_tokens=16,
         precision="fp32",  # fixed, so quick runs compare across machines
-        progress=False,
+        snapshot=SnapshotConfig(every=0),  # at the end (and every 5 minutes), not every eval
     )
 
 

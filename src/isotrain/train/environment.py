@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
+import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +19,15 @@ import torch
 
 from isotrain.train.fields import ConfigError
 
-__all__ = ["OutOfMemory", "check_device", "check_directory", "check_extra", "memory_for"]
+__all__ = [
+    "OutOfMemory",
+    "check_device",
+    "check_directory",
+    "check_extra",
+    "install_hint",
+    "memory_for",
+    "relative",
+]
 
 # torch's CPU allocator: "... you tried to allocate 123 bytes"; CUDA: "Tried to allocate 2.00 GiB"
 _SIZE = re.compile(r"tried to allocate\s+([0-9.]+\s*(?:bytes|[KMGTP]i?B))", re.IGNORECASE)
@@ -100,5 +110,28 @@ def check_extra(module: str, option: str, extra: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ConfigError(
             f"{option} needs the {module} package, which is not installed; "
-            f"try pip install 'isotrain[{extra}]'"
+            f"try {install_hint(extra)}"
         )
+
+
+def relative(path: Path) -> str:
+    """`path` as a user types it here: relative to the working directory when inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs isotrain's `extra` into the running environment: in a source
+    checkout (a clone, installed editable) `.venv/bin/pip install -e '.[data]'`, else
+    `pip install 'isotrain[data]'`."""
+    root = Path(__file__).resolve().parents[3]  # src/isotrain/train/environment.py -> root
+    pip = Path(sys.executable).with_name("pip")
+    if not (root / "pyproject.toml").is_file() or not pip.is_file():
+        return f"pip install 'isotrain[{extra}]'"
+    target = "." if root == Path.cwd().resolve() else relative(root)
+    where = (
+        pip if pip.parent.resolve() != Path(shutil.which("pip") or "/").resolve().parent else "pip"
+    )
+    return f"{relative(where) if isinstance(where, Path) else where} install -e '{target}[{extra}]'"

@@ -24,6 +24,7 @@ __all__ = [
     "flag",
     "flag_value",
     "hints",
+    "leaves",
     "matches",
     "overlay",
     "to_toml",
@@ -145,6 +146,18 @@ def check_types(obj: Any, prefix: str = "") -> None:
             raise ConfigError(
                 f"{flag(path)} {value!r} is invalid: {why}; try {flag_value(path, default)}"
             )
+
+
+def leaves(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted field path -> value for every setting of dataclass `obj` (sections recursed)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(leaves(value, f"{prefix}{f.name}."))
+        else:
+            out[prefix + f.name] = value
+    return out
 
 
 def _toml(value: Any) -> str:

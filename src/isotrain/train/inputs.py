@@ -38,6 +38,7 @@ from isotrain.train.weights.load import load_with_tokenizer
 __all__ = [
     "InitSource",
     "adopt_shape",
+    "fit_vocab",
     "load_inputs",
     "read_init",
     "resolve_tokenizer",
@@ -154,15 +155,16 @@ def _check_agrees(tok: Tokenizer, data: TextData | TokenData, init: InitSource |
             )
 
 
-def _check_resume(tok: Tokenizer, run_dir: Path, steps: int) -> None:
-    """A resumed run keeps the tokenizer it trained with."""
+def _check_resume(tok: Tokenizer, run_dir: Path, spec: str) -> None:
+    """A resumed run keeps the tokenizer it trained with (`spec`: the --tokenizer given)."""
     saved = run_dir / RUN_TOKENIZER
     before = HFTokenizer.from_file(saved) if saved.is_file() else None
     if (before.sha256 if before else "") != tok.sha256:
         was = before.describe() if before else "bytes or ids (no tokenizer.json)"
+        drop = f"drop --tokenizer {spec} to continue it, or " if spec != "auto" else ""
         raise ConfigError(
-            f"cannot resume {run_dir}: it trained with {was}, not {tok.describe()}; drop "
-            f"--tokenizer to continue it, or {ways_on(run_dir, steps)}"
+            f"cannot resume {run_dir}: it trained with {was}, not {tok.describe()}; "
+            f"{drop}{ways_on(run_dir)}"
         )
 
 
@@ -181,18 +183,50 @@ def resolve_tokenizer(
         tok = _choose(cfg, data, init.tokenizer if init else None)
     _check_agrees(tok, data, init)
     if resuming:
-        _check_resume(tok, Path(cfg.out_dir), cfg.steps)
+        _check_resume(tok, Path(cfg.out_dir), cfg.tokenizer)
     if cfg.tokenizer_sha256 and tok.sha256 != cfg.tokenizer_sha256:
         raise ConfigError(
             f"--tokenizer-sha256 {cfg.tokenizer_sha256[:12]}… does not match "
             f"{tok.describe()}; pass the tokenizer it names, or drop --tokenizer-sha256"
         )
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"--model.vocab-size {cfg.model.vocab_size} is too small for {tok.describe()}; "
-            f"pass --model.vocab-size {tok.vocab_size}"
-        )
     return tok
+
+
+# NOTE [vocabulary size]
+# The model's vocabulary is the tokenizer's. `--model.vocab-size` left at its default (256,
+# bytes) takes the size of the run's tokenizer: a tokenizer.json, a prepared folder's, the one
+# of --init-from or of the run it resumes (an info line says so). A size given smaller than
+# the tokenizer is refused; a larger one is kept (nanoGPT pads GPT-2's 50257 to 50304) with a
+# warning once it exceeds the tokenizer rounded up to a multiple of 128, the usual padding.
+VOCAB_PADDING = 128
+
+
+def fit_vocab(cfg: TrainConfig, tok: Tokenizer) -> TrainConfig:
+    """`cfg` with --model.vocab-size from the tokenizer when left at its default; a given
+    size that is too small is refused, one far too large warned (NOTE [vocabulary size])."""
+    given, need = cfg.model.vocab_size, tok.vocab_size
+    if tok.kind == "ids" or given == need:
+        return cfg
+    if given == type(cfg.model)().vocab_size:
+        log.info("--model.vocab-size %d: the size of %s", need, tok.describe())
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=need))
+    if given < need:
+        raise ConfigError(
+            f"--model.vocab-size {given} is too small for {tok.describe()}; pass "
+            f"--model.vocab-size {need}, or leave it out to take the tokenizer's"
+        )
+    if given > -(-need // VOCAB_PADDING) * VOCAB_PADDING:
+        rows = (given - need) * cfg.model.d_model  # tied embedding and head: one matrix
+        log.warning(
+            "--model.vocab-size %d is larger than %s needs (%d): %d embedding rows (%s "
+            "parameters) are never used; leave --model.vocab-size out to take the tokenizer's",
+            given,
+            tok.describe(),
+            need,
+            given - need,
+            f"{rows:,}",
+        )
+    return cfg
 
 
 def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> None:
@@ -231,7 +265,7 @@ def load_inputs(
             f"--data.varlen splits documents at blank lines of byte data, not {tok.describe()}; "
             "drop --data.varlen or use --tokenizer bytes"
         )
-    cfg = dataclasses.replace(cfg, tokenizer_sha256=tok.sha256)
+    cfg = fit_vocab(dataclasses.replace(cfg, tokenizer_sha256=tok.sha256), tok)
     corpus = build_corpus(data, tok, cfg.model.vocab_size)
     if is_main and not resuming:
         save_tokenizer(tok, cfg.out_dir)

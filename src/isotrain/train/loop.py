@@ -6,13 +6,14 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
 import math
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
-from isotrain.train.config import ConfigError, TrainConfig, validate
+from isotrain.train.config import ConfigError, TrainConfig, flag, validate
 from isotrain.train.data import batches as data_mod
 from isotrain.train.environment import memory_for
 from isotrain.train.inputs import load_inputs
@@ -104,9 +105,25 @@ def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     train_model = prepare_model(cfg, model, info, example=example)
     optimizer = build_optimizer(model, cfg.optim)
     updater = build_updater(cfg, model, optimizer, info)
+    _warn_short_warmup(cfg)
     run = Run(cfg, info, batches, model, train_model, optimizer, updater)
     run.tokenizer, run.precision_note = tokenizer, precision
     return run
+
+
+def _warn_short_warmup(cfg: TrainConfig) -> None:
+    """A run no longer than its warm-up never reaches --optim.lr: say so, with the fix."""
+    warm = cfg.optim.warmup_steps
+    if cfg.steps < warm:
+        log.warning(
+            "--steps %d is less than --optim.warmup-steps %d: the learning rate only "
+            "reaches %.1e of --optim.lr %g; try --optim.warmup-steps %d",
+            cfg.steps,
+            warm,
+            cfg.optim.lr * cfg.steps / max(warm, 1),
+            cfg.optim.lr,
+            max(cfg.steps // 10, 1),
+        )
 
 
 def prepare_model(
@@ -219,10 +236,11 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     return run
 
 
-def train(cfg: TrainConfig) -> TrainState:
+def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
 
-    SIGINT or SIGTERM: a snapshot of the current step, then `TrainingStopped`.
+    `origin` (dotted setting -> `--preset NAME`, `--config FILE` or `flag`) lets the header
+    say where the settings came from. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
     """
     with (
         flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
@@ -241,7 +259,10 @@ def train(cfg: TrainConfig) -> TrainState:
             ) as reporter,
         ):
             precision = run.precision_note or cfg.precision
-            reporter.header(_facts(run, st.step, precision=precision, flushed=flushed))
+            if cfg.precision != "auto" and origin and origin.get("precision", "flag") != "flag":
+                precision = f"{cfg.precision} ({origin['precision']})"  # not a flag they passed
+            facts = _facts(run, st.step, precision=precision, flushed=flushed)
+            reporter.header([*facts, *_settings(origin or {})])
             if cfg.compile.enabled:
                 _warm_up(run, reporter, metrics)
             with (
@@ -366,7 +387,8 @@ def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
         asked = cfg.subnormals == "flush"
         how = "flushed to zero" if flushed else "kept"
         why = " (this CPU cannot flush them)" if asked and not flushed else ""
-        threads = f", {torch.get_num_threads()} threads, subnormals {how}{why}"
+        n = torch.get_num_threads()
+        threads = f", {n} thread{'s' if n != 1 else ''}, subnormals {how}{why}"
     world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
     return [
         f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "
@@ -379,6 +401,15 @@ def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
         f"eval every {cfg.eval_every}, log every {cfg.log_every}",
         f"run dir    {cfg.out_dir} ({where})",
     ]
+
+
+def _settings(origin: Mapping[str, str]) -> list[str]:
+    """`settings   --preset smoke (16), --config FILE (2), flags --steps --out-dir`."""
+    counts = collections.Counter(v for v in origin.values() if v != "flag")
+    parts = [f"{source} ({n})" for source, n in counts.items()]
+    flags = [flag(k) for k, v in origin.items() if v == "flag"]
+    parts += [f"flags {' '.join(flags)}"] if flags else []
+    return [f"settings   {', '.join(parts)}"] if parts else []
 
 
 class _Timer:

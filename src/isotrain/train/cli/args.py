@@ -15,6 +15,7 @@ from typing import Annotated, Any, TypeVar
 
 import tyro
 
+from isotrain.train.cli.flags import check_argv
 from isotrain.train.config import ConfigError
 
 __all__ = ["RunArgs", "check_output", "parse", "run_of"]
@@ -39,6 +40,8 @@ def _one_line(box: str) -> str:
 
 def parse(cls: type[T], argv: Sequence[str], prog: str, **kwargs: Any) -> T:
     """`tyro.cli`, with a parse error turned into a one-line ConfigError (`--help` unchanged)."""
+    if not any(a in ("-h", "--help") for a in argv):
+        check_argv(cls, list(argv), prog, default=kwargs.get("default"))
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):

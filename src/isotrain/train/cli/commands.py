@@ -17,7 +17,7 @@ from isotrain.train.cli.args import RunArgs, check_output, parse, run_of
 from isotrain.train.config import ConfigError
 from isotrain.train.rundir.writes import WriteError
 
-__all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample"]
+__all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample", "tidy"]
 
 
 def _write_failed(target: object, reason: str, code: int | None) -> WriteError:
@@ -89,6 +89,20 @@ class SampleArgs(RunArgs):
     """Seed of the sampling generator (the global RNG is never touched)."""
     which: Literal["latest", "best"] = "latest"
     """Snapshot to load: the newest or the best-validation one."""
+    raw: bool = False
+    """Print each sample as generated; by default trailing spaces are stripped from each line
+    and a run of blank lines ends the sample (a note on stderr says when)."""
+
+
+def tidy(text: str) -> str:
+    """A sample as a reader wants it: no trailing spaces, cut at the first run of 3 or more
+    blank lines, no blank lines at the end."""
+    lines = [line.rstrip() for line in text.split("\n")]
+    for i in range(len(lines) - 2):
+        if not (lines[i] or lines[i + 1] or lines[i + 2]):
+            lines = lines[:i]
+            break
+    return "\n".join(lines).rstrip()
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
@@ -123,10 +137,14 @@ def cmd_sample(argv: Sequence[str]) -> int:
         num_samples=a.num_samples,
         seed=a.seed,
     )
-    for i, text in enumerate(texts):
+    full = [prompt + text for text in texts]
+    shown = full if a.raw else [tidy(text) for text in full]
+    for i, text in enumerate(shown):
         if len(texts) > 1:
             sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
-        sys.stdout.write(prompt + text + "\n")
+        sys.stdout.write(text + "\n")
+    if shown != full:
+        sys.stderr.write("(trailing spaces and blank-line runs left out; --raw shows them)\n")
     return 0
 
 
@@ -158,7 +176,8 @@ class PlotArgs(RunArgs):
     norm as PNG files."""
 
     out: str | None = None
-    """Folder for the PNG files (default: the run directory)."""
+    """Folder for the PNG files: OUT/<run name>/, so runs never overwrite each other's
+    (default: the run directory itself)."""
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
@@ -206,6 +225,8 @@ class ExportArgs(RunArgs):
     transformers (config.json, model.safetensors, tokenizer files)."""
     which: Literal["latest", "best"] = "latest"
     """Snapshot to read: the newest or the best-validation one."""
+    force: bool = False
+    """Replace an existing --out (the default output inside the run is always rewritten)."""
 
 
 def cmd_export(argv: Sequence[str]) -> int:
@@ -216,6 +237,8 @@ def cmd_export(argv: Sequence[str]) -> int:
     hf = a.format == "hf"
     target = Path(a.out or (f"{run}/hf" if hf else f"{run}/model.safetensors"))
     check_output("--out", target, is_dir=hf)
+    if a.out is not None and target.exists() and not a.force:
+        raise ConfigError(f"--out {a.out} exists; pass --force to replace it, or another --out")
     with _writing(target, folder=target if hf else target.parent):
         out, snap = export_run(run, target, which=a.which, fmt=a.format)
     sys.stdout.write(f"wrote {out} (weights of {snap.name})\n")

@@ -1,5 +1,6 @@
 """`isotrain train --help`: a short page (the common flags, then one line per section), and
-`--help SECTION` for one section's flags. `--help-all` is tyro's full page.
+`--help SECTION` for one section's flags, `--help presets` for what each preset sets, and
+`--help-all` for all of them.
 
 Help strings are the config fields' attribute docstrings, the same text tyro shows.
 """
@@ -16,14 +17,23 @@ import typing
 from typing import Any
 
 from isotrain.train.config import PRESETS, TrainConfig
-from isotrain.train.fields import flag, hints
+from isotrain.train.fields import flag, flag_value, hints, leaves
 
-__all__ = ["SECTIONS", "section_help", "short_help"]
+__all__ = ["PAGES", "SECTIONS", "all_help", "preset_rows", "section_help", "short_help"]
 
 # The flags a first run needs, shown on the short page (dotted field paths).
-COMMON = ("steps", "out_dir", "data.path", "device", "precision", "resume", "init_from")
+COMMON = (
+    *("steps", "out_dir", "data.path", "tokenizer", "device", "precision", "resume", "init_from"),
+)
 RUN = "run"  # the pseudo-section of the top-level fields not in COMMON
-METAVARS = {"out_dir": "DIR", "resume": "DIR", "init_from": "SOURCE", "device": "DEVICE"}
+PRESETS_PAGE = "presets"  # `--help presets`: what each preset sets
+METAVARS = {
+    "tokenizer": "KIND|PATH",
+    "out_dir": "DIR",
+    "resume": "DIR",
+    "init_from": "SOURCE",
+    "device": "DEVICE",
+}
 
 
 @functools.cache
@@ -58,6 +68,7 @@ def _sections() -> dict[str, type]:
 
 
 SECTIONS: tuple[str, ...] = (*_sections(), RUN)
+PAGES: tuple[str, ...] = (*SECTIONS, "presets")
 
 
 def _metavar(hint: Any, name: str) -> str:
@@ -91,7 +102,7 @@ def _table(rows: list[tuple[str, str]], width: int = 80) -> str:
     col = 24
     out = []
     for left, text in rows:
-        wrapped = textwrap.wrap(text, width - col - 2) or [""]
+        wrapped = textwrap.wrap(text, width - col - 2, break_on_hyphens=False) or [""]
         if len(left) + 3 > col:
             out.append(f"  {left}")
             out += [" " * col + line for line in wrapped]
@@ -105,7 +116,7 @@ def short_help(cfg: TrainConfig) -> str:
     """The short page: usage, the common flags with their values under this preset/config,
     one line per section, and how to see the rest."""
     rows = [
-        ("--preset NAME", f"{', '.join(PRESETS)}: a starting point (tiny)"),
+        ("--preset NAME", f"tiny (default), small, smoke; --help {PRESETS_PAGE}"),
         ("--config FILE.toml", "settings from a TOML file ([model], [optim], ... sections; "
          "a run's OUT_DIR/config.toml works as is)"),
     ]  # fmt: skip
@@ -119,9 +130,7 @@ def short_help(cfg: TrainConfig) -> str:
         [
             "usage: isotrain train [--preset NAME] [--config FILE.toml] [--FLAG VALUE ...]",
             "",
-            "Train the GPT. Settings resolve preset < --config FILE.toml < flags.",
-            "",
-            "common flags (current values in parentheses):",
+            "common flags (preset < --config FILE.toml < flags; values now in parentheses):",
             _table(rows),
             "",
             "sections: isotrain train --help SECTION lists one section's flags",
@@ -132,14 +141,40 @@ def short_help(cfg: TrainConfig) -> str:
     )
 
 
+def preset_rows() -> list[tuple[str, str]]:
+    """(name, its docstring's first sentence and the flags it sets) for each preset."""
+    base = leaves(TrainConfig())
+    rows = []
+    for name, make in PRESETS.items():
+        sets = [flag_value(k, v) for k, v in leaves(make()).items() if v != base[k]]
+        doc = " ".join((make.__doc__ or "").split()).split(". ")[0].rstrip(".")
+        rows.append((name, f"{doc}" + (f"; sets {' '.join(sets)}" if sets else "")))
+    return rows
+
+
+def presets_help() -> str:
+    """`--help presets`: each preset and the flags it sets."""
+    title = "--preset NAME: a starting point; flags and --config override what it sets"
+    return f"{title}\n{_table(preset_rows())}"
+
+
+def all_help(cfg: TrainConfig) -> str:
+    """`--help-all`: the usage, the presets, then every section's flags, wrapped alike."""
+    head = short_help(cfg).split("\n", 1)[0]
+    pages = [presets_help(), *(section_help(cfg, s) for s in SECTIONS)]
+    return "\n\n".join([head, *pages])
+
+
 def section_help(cfg: TrainConfig, section: str) -> str:
     """Every flag of one section (`run`: the top-level fields) with help and current value."""
+    if section == PRESETS_PAGE:
+        return presets_help()
     if section == RUN:
         names = [f.name for f in dataclasses.fields(cfg) if f.name not in _sections()]
-        rows = [_row(n, TrainConfig, cfg) for n in names if n not in COMMON]
-        title = "top-level flags (the common ones are on isotrain train --help)"
+        rows = [_row(n, TrainConfig, cfg) for n in names]
+        title = "top-level flags (and the common ones)"
     else:
         obj = getattr(cfg, section)
         rows = [_row(f"{section}.{f.name}", type(obj), obj) for f in dataclasses.fields(obj)]
-        title = f"--{section}.*: {_first_sentence(type(obj))}"
+        title = textwrap.fill(f"--{section}.*: {_first_sentence(type(obj))}", 80)
     return f"{title}\n{_table(rows)}"

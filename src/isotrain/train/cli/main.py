@@ -7,21 +7,28 @@ stopped by Ctrl-C or SIGTERM exits 130 or 143 after its snapshot.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import re
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from isotrain.train.cli.args import parse
 from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
+from isotrain.train.cli.flags import options
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data.batches import DataError
+from isotrain.train.environment import install_hint
+from isotrain.train.fields import leaves
 from isotrain.train.rundir.snapshot import SnapshotError
 from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["main", "parse_train_args"]
 
+DEFAULT_OUT = TrainConfig().out_dir
 USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
 # Optional packages and the extra that installs each: a missing one is a user error too.
 EXTRAS = {
@@ -67,17 +74,34 @@ def _split_commas(argv: list[str], name: str) -> list[str]:
 
 def parse_train_args(argv: Sequence[str]) -> TrainConfig:
     """Resolve preset, TOML file and flags into one TrainConfig."""
+    return _resolve(argv)[0]
+
+
+def _resolve(argv: Sequence[str]) -> tuple[TrainConfig, dict[str, str]]:
+    """The config of a command line, and where each setting off the default came from
+    (`--preset smoke`, `--config FILE`, or `flag`), for the run header."""
     preset, rest = _option(list(argv), "--preset")
     config, rest = _option(rest, "--config")
     if preset is not None and preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
-    cfg = PRESETS[preset or "tiny"]()
+    stages = [(TrainConfig(), ""), (PRESETS[preset or "tiny"](), f"--preset {preset}")]
     if config:
-        cfg = apply_toml(cfg, config)
+        stages.append((apply_toml(stages[-1][0], config), f"--config {config}"))
+    cfg = stages[-1][0]
     if any(a in ("-h", "--help", "--help-all") for a in rest):
         _train_help(cfg, rest)
     rest = _split_commas(rest, "--report.loggers")
-    return parse(TrainConfig, rest, "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+    cfg = parse(TrainConfig, rest, "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+    stages.append((cfg, "flag"))
+    origin: dict[str, str] = {}
+    for (before, _), (after, source) in itertools.pairwise(stages):
+        old = leaves(before)
+        origin.update({k: source for k, v in leaves(after).items() if v != old[k]})
+    table, _ = options(TrainConfig)
+    for word in rest:  # a flag passed counts as passed, even where it repeats the preset
+        if word.split("=", 1)[0] in table:
+            origin[table[word.split("=", 1)[0]].path] = "flag"
+    return cfg, origin
 
 
 TRAIN_DESCRIPTION = (
@@ -88,18 +112,17 @@ TRAIN_DESCRIPTION = (
 
 
 def _train_help(cfg: TrainConfig, argv: list[str]) -> None:
-    """`--help` (short), `--help SECTION`, `--help-all` (tyro's full page); then exit 0."""
-    from isotrain.train.cli.helptext import SECTIONS, section_help, short_help
+    """`--help` (short), `--help SECTION`, `--help presets`, `--help-all`; then exit 0."""
+    from isotrain.train.cli.helptext import PAGES, all_help, section_help, short_help
 
     if "--help-all" in argv:
-        parse(TrainConfig, ["--help"], "isotrain train", default=cfg, description=TRAIN_DESCRIPTION)
+        sys.stdout.write(all_help(cfg) + "\n")
+        raise SystemExit(0)
     flag_at = max(i for i, a in enumerate(argv) if a in ("-h", "--help"))
     section = argv[flag_at + 1] if flag_at + 1 < len(argv) else None
     if section is not None and not section.startswith("-"):
-        if section not in SECTIONS:
-            raise ConfigError(
-                f"--help {section}: no such section; try one of {', '.join(SECTIONS)}"
-            )
+        if section not in PAGES:
+            raise ConfigError(f"--help {section}: no such section; try one of {', '.join(PAGES)}")
         sys.stdout.write(section_help(cfg, section) + "\n")
     else:
         sys.stdout.write(short_help(cfg) + "\n")
@@ -112,16 +135,71 @@ def cmd_doctor(argv: Sequence[str]) -> int:
     return run(argv)
 
 
+# NOTE [default run directory]
+# A command without --out-dir (or --resume) trains into runs/default. When runs/default holds
+# a run with another shape, data, tokenizer, seed, --init-from or parallel mode (read from its
+# config.toml), the command describes a new run, not that one: it is refused in one line that
+# names the differences and a fresh directory named after the new run (`--out-dir runs/smoke`),
+# before anything is loaded. The same command again continues the run; once it made its
+# --steps, it says the run is complete and prints the next commands (exit 0).
+
+
+def _named_out_dir(argv: Sequence[str]) -> bool:
+    """True when the command names its run directory (a flag, or the --config file's)."""
+    names = ("--out-dir", "--resume")
+    if any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in argv):
+        return True
+    config, _ = _option(list(argv), "--config")
+    return config is not None and apply_toml(TrainConfig(), config).out_dir != DEFAULT_OUT
+
+
+def _new_run_name(argv: Sequence[str], cfg: TrainConfig) -> str:
+    """A fresh run directory named after what the command trains (preset, data, weights)."""
+    preset, _ = _option(list(argv), "--preset")
+    stems = [
+        Path(source.removeprefix("hf:").rstrip("/*")).name.split(".")[0]
+        for source in (cfg.init_from, cfg.data.path)
+        if source
+    ]
+    mode = [cfg.parallel.mode] if cfg.parallel.mode != "none" else []
+    parts = [p for p in (preset, *stems, *mode) if p]
+    base = Path("runs") / "-".join(parts or ["tiny"])
+    out, n = base, 2
+    while out.exists():
+        out, n = base.with_name(f"{base.name}-{n}"), n + 1
+    return str(out)
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import TrainingStopped, train
+    from isotrain.train.report.progress import where_and_next
+    from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
 
-    cfg = parse_train_args(argv)
+    cfg, origin = _resolve(argv)
+    validate(cfg)
+    if not _named_out_dir(argv):
+        differs = other_run(cfg.out_dir, cfg)
+        if differs:
+            raise ConfigError(
+                f"{cfg.out_dir} holds another run ({changes_in_words(differs)}), so this "
+                f"command is a new run: pass --out-dir {_new_run_name(argv, cfg)} (or any new "
+                "directory)"
+            )
     try:
-        train(validate(cfg))
+        train(cfg, origin=origin)
     except TrainingStopped as e:
         sys.stderr.write(f"isotrain train: {e}\n")
         return 128 + e.signum
+    except RunComplete as e:
+        if _is_rank0():
+            lines = where_and_next(e.run_dir, cfg.report.loggers)
+            sys.stdout.write(f"isotrain train: {e}\n" + "".join(ln + "\n" for ln in lines))
     return 0
+
+
+def _is_rank0() -> bool:
+    """False in a torchrun worker other than rank 0, which leaves messages to rank 0."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
@@ -166,7 +244,7 @@ def _missing_extra(e: ImportError) -> str | None:
     if extra is None:
         return None
     what = re.split(r"[:;,]?\s*(?:try )?pip install", str(e))[0].strip().rstrip(":;,")
-    return f"{what}; try pip install 'isotrain[{extra}]'"
+    return f"{what}; try {install_hint(extra)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -184,8 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[argv[0]][0](argv[1:])
-    except USER_ERRORS as e:
-        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+    except USER_ERRORS as e:  # the same on every rank of a torchrun job: rank 0 says it
+        if _is_rank0() or not isinstance(e, ConfigError):
+            sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
         return 2
     except WriteError as e:  # the machine, not the command: exit 1
         sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")

@@ -33,8 +33,8 @@ class GPTConfig:
     block_size: int = 128
     """Context length in tokens (bytes for the default tokenizer)."""
     vocab_size: int = 256
-    """Vocabulary size: 256 for bytes; the number of tokens to train for --tokenizer bpe; at
-    least the tokenizer's for a tokenizer.json or prepared data."""
+    """Vocabulary size; left at 256 it takes the run's tokenizer's (a tokenizer.json, prepared
+    data, --init-from); the number of tokens to train for --tokenizer bpe."""
     dropout: float = 0.0
     """Dropout probability in attention and MLP outputs."""
     bias: bool = True

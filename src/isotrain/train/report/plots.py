@@ -9,7 +9,7 @@ from typing import Any
 from isotrain.train.files import make_dir, new_file
 from isotrain.train.rundir.metrics import read_metrics
 
-__all__ = ["loss_figure", "plot_run", "skips", "summarize_run"]
+__all__ = ["clusters", "loss_figure", "plot_run", "resumes", "skips", "summarize_run"]
 
 
 def _num(value: Any) -> float:
@@ -36,25 +36,75 @@ def skips(records: list[dict[str, Any]]) -> list[tuple[int, str]]:
     return sorted({r["step"]: str(r.get("reason", "?")) for r in rows}.items())
 
 
-def loss_figure(plt: Any, records: list[dict[str, Any]]) -> Any:
-    """Train and validation loss, a red line at every skipped step, the unigram baseline."""
+def resumes(records: list[dict[str, Any]]) -> list[int]:
+    """The steps the run was resumed at: every config record after the first."""
+    steps = [r.get("step") for r in records if r["kind"] == "config"][1:]
+    return [s for s in steps if isinstance(s, int) and s > 0]
+
+
+def clusters(steps: list[int], *, gap: int) -> list[tuple[int, int]]:
+    """(first step, count) of each run of skipped steps closer than `gap` to the previous one,
+    so two skips on adjacent steps read as one mark labelled 2, not as one line."""
+    out: list[list[int]] = []
+    for step in sorted(steps):
+        if out and step - out[-1][2] <= gap:
+            out[-1][1] += 1
+            out[-1][2] = step
+        else:
+            out.append([step, 1, step])
+    return [(first, n) for first, n, _ in out]
+
+
+def _marks(ax: Any, records: list[dict[str, Any]]) -> None:
+    """Skipped steps (red, clusters counted) and resumes (grey, dashed) on any step axis."""
+    skipped = [step for step, _ in skips(records)]
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int)]
+    span = max(steps, default=1) - min(steps, default=0)
+    groups = clusters(skipped, gap=max(1, span // 150))  # closer than a line is wide
+    if groups:  # one collection, however many: x in steps, y spanning the axes
+        ax.vlines([g for g, _ in groups], 0, 1, transform=ax.get_xaxis_transform(),
+                  colors="red", alpha=0.4, lw=1.2, gid="skips",
+                  label=f"skipped step ({len(skipped)})")  # fmt: skip
+        for first, n in groups:
+            if n > 1:
+                ax.annotate(f"×{n}", (first, 1.0), xycoords=("data", "axes fraction"),
+                            xytext=(2, -10), textcoords="offset points", color="red",
+                            fontsize=8, gid="skip-count")  # fmt: skip
+    back = resumes(records)
+    if back:
+        ax.vlines(back, 0, 1, transform=ax.get_xaxis_transform(), colors="gray", ls=":",
+                  lw=1.2, gid="resumes", label=f"resumed ({len(back)})")  # fmt: skip
+
+
+def _title(what: str, run_dir: str | Path) -> str:
+    return f"{what}: {Path(run_dir).resolve().name}"
+
+
+def loss_figure(plt: Any, records: list[dict[str, Any]], run_dir: str | Path = "") -> Any:
+    """Train and validation loss, a red line at every skipped step (adjacent ones counted),
+    a dotted one at every resume, the unigram baseline; titled with the run's name."""
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(*_series(records, "train", "loss"), label="train loss")
     ax.plot(*_series(records, "eval", "val_loss"), "o-", label="val loss")
-    skipped = [step for step, _ in skips(records)]
-    if skipped:  # one collection, however many: x in steps, y spanning the axes
-        ax.vlines(skipped, 0, 1, transform=ax.get_xaxis_transform(), colors="red", alpha=0.3,
-                  lw=1, label=f"skipped step ({len(skipped)})", gid="skips")  # fmt: skip
+    _marks(ax, records)
     base = [_num(r.get("unigram_baseline")) for r in records if r["kind"] == "eval"]
     if base and math.isfinite(base[-1]):
         ax.axhline(base[-1], color="gray", ls="--", label="unigram baseline")
-    ax.set(xlabel="step", ylabel="nats per token", title="loss")
+    ax.set(xlabel="step", ylabel="nats per token", title=_title("loss", run_dir))
     ax.legend()
     return fig
 
 
+def _clip(records: list[dict[str, Any]]) -> float:
+    """The run's --optim.grad-clip (0: off), from its last config record."""
+    configs = [r.get("config") for r in records if r["kind"] == "config"]
+    optim = configs[-1].get("optim") if configs and isinstance(configs[-1], dict) else None
+    return _num(optim.get("grad_clip")) if isinstance(optim, dict) else math.nan
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write loss.png (train, val, skipped steps marked), lr.png, throughput.png, grad_norm.png."""
+    """Write loss.png (train, val, skips and resumes marked), lr.png, throughput.png and
+    grad_norm.png (with the clip level) into the run, or into OUT/<run name>/."""
     try:
         import matplotlib
 
@@ -65,7 +115,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "plots need matplotlib, which is not installed; try pip install 'isotrain[plots]'"
         ) from e
     records = read_metrics(run_dir)
-    out = make_dir(out_dir or run_dir, follow=True)  # a folder the user named
+    out = Path(run_dir) if out_dir is None else Path(out_dir) / Path(run_dir).resolve().name
+    out = make_dir(out, follow=True)  # a folder the user named; files in it are never followed
     written = []
 
     def save(fig: Any, name: str) -> None:
@@ -77,7 +128,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             plt.close(fig)
         written.append(out / name)
 
-    save(loss_figure(plt, records), "loss.png")
+    save(loss_figure(plt, records, run_dir), "loss.png")
     for key, name, label in [
         ("lr", "lr.png", "learning rate"),
         ("tokens_per_s", "throughput.png", "tokens / s"),
@@ -87,8 +138,14 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         if not steps:
             continue
         fig, ax = plt.subplots(figsize=(7, 3))
-        ax.plot(steps, values)
-        ax.set(xlabel="step", ylabel=label, title=label)
+        ax.plot(steps, values, label=label)
+        clip = _clip(records)
+        if key == "grad_norm" and clip > 0:
+            ax.axhline(clip, color="green", ls="--", lw=1, label=f"clipped to {clip:g}")
+        _marks(ax, records)
+        ax.set(xlabel="step", ylabel=label, title=_title(label, run_dir))
+        if key == "grad_norm" or len(ax.get_legend_handles_labels()[0]) > 1:
+            ax.legend(fontsize=8)
         save(fig, name)
     return written
 

@@ -164,10 +164,17 @@ class Reporter:
 
 def invoked_as() -> str:
     """How the user ran isotrain, for next-step hints: `isotrain` (on the PATH), the path they
-    typed (`.venv/bin/isotrain`), or `python -m isotrain`."""
+    typed (`.venv/bin/isotrain`), or the interpreter that runs this (`.venv/bin/python -m
+    isotrain`, as under torchrun), which the system python may not be."""
     argv0 = sys.argv[0] if sys.argv else ""
     if Path(argv0).name != "isotrain":
-        return "python -m isotrain"
+        exe = Path(sys.executable)
+        on_path = shutil.which(exe.name)
+        if on_path and Path(on_path).resolve() == exe.resolve():
+            return f"{exe.name} -m isotrain"
+        with contextlib.suppress(ValueError):
+            return f"{exe.absolute().relative_to(Path.cwd())} -m isotrain"
+        return f"{exe} -m isotrain"
     found = shutil.which("isotrain")
     if found and Path(found).resolve() == Path(argv0).resolve():
         return "isotrain"

@@ -10,10 +10,16 @@ import dataclasses
 import logging
 import operator
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
@@ -33,7 +39,17 @@ from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot, save_s
 from isotrain.train.rundir.writes import writing
 from isotrain.train.state import Run, TrainState
 
-__all__ = ["StopFlag", "StopNow", "maybe_resume", "save_run", "stop_on_signals"]
+__all__ = [
+    "RunComplete",
+    "StopFlag",
+    "StopNow",
+    "changes_in_words",
+    "maybe_resume",
+    "other_run",
+    "save_run",
+    "stop_on_signals",
+    "ways_on",
+]
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +69,25 @@ IDENTITY_FIELDS = (
 # --log-every, ...) continue the run and are logged.
 
 
-def ways_on(run_dir: str | Path, steps: int) -> str:
-    """The three ways past a refused resume, for the end of an error message."""
+def ways_on(run_dir: str | Path, trained: int | None = None) -> str:
+    """The ways past a refused resume, for the end of an error message; `trained` (the steps
+    the run in `run_dir` has made) adds `--steps` to train it further."""
+    further = f"--steps {2 * trained} to train it further, " if trained else ""
     return (
-        f"try --steps {max(2 * steps, steps + 1)} to train it further, a new --out-dir for a "
-        f"new run, or --init-from {run_dir} to start a new run from its weights"
+        f"try {further}a new --out-dir for a new run, or --init-from {run_dir} to start a new "
+        "run from its weights"
     )
+
+
+class RunComplete(Exception):
+    """The run directory holds a run that already made its --steps: nothing to train."""
+
+    def __init__(self, run_dir: str | Path, trained: int, steps: int) -> None:
+        super().__init__(
+            f"{run_dir} is complete: it trained {trained} of --steps {steps}; pass "
+            f"--steps {2 * trained} to train it further, or a new --out-dir for a new run"
+        )
+        self.run_dir, self.trained = str(run_dir), trained
 
 
 def save_run(run: Run) -> Path | None:
@@ -97,13 +126,17 @@ def save_run(run: Run) -> Path | None:
 
 def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
     """Refuse shape changes; return the other changed settings (they are logged)."""
-    for name in SHAPE_FIELDS:
-        old, new = saved["model"][name], getattr(cfg.model, name)
-        if old != new:
-            raise ConfigError(
-                f"cannot resume: {flag('model.' + name)} is {new!r} but the snapshot was "
-                f"trained with {old!r}; try {flag_value('model.' + name, old)}, or a new --out-dir"
-            )
+    shape = [
+        ("model." + n, saved["model"][n], getattr(cfg.model, n))
+        for n in SHAPE_FIELDS
+        if saved["model"][n] != getattr(cfg.model, n)
+    ]
+    if shape:
+        raise ConfigError(
+            f"cannot resume {cfg.out_dir}: its model has another shape ({changes_in_words(shape)}"
+            f"); pass {'that' if len(shape) == 1 else 'those'} to continue it, or "
+            f"{ways_on(cfg.out_dir).removeprefix('try ')}"
+        )
     paths = IDENTITY_FIELDS + (("data.max_bytes",) if cfg.data.path is None else ())
     for path in paths:
         section, _, key = path.rpartition(".")
@@ -112,9 +145,50 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
         if old != new:
             raise ConfigError(
                 f"{cfg.out_dir} holds a run with {flag(path)} {old!r}, not {new!r}: resuming "
-                f"would continue that run on something else; {ways_on(cfg.out_dir, cfg.steps)}"
+                f"would continue that run on something else; {ways_on(cfg.out_dir)}"
             )
     return _diff(saved, dataclasses.asdict(cfg), "")
+
+
+# What makes the run in a directory another run than the one a command describes, when that
+# command named no --out-dir (NOTE [default run directory]): its shape, its identity, how it
+# is launched. `tokenizer` counts only when the command names one (auto takes the run's own).
+OTHER_RUN_FIELDS = (
+    *(f"model.{n}" for n in SHAPE_FIELDS),
+    *(p for p in IDENTITY_FIELDS if p != "tokenizer_sha256"),
+    *("tokenizer", "parallel.mode"),
+)
+
+
+def other_run(run_dir: str | Path, cfg: TrainConfig) -> list[tuple[str, Any, Any]]:
+    """(setting, the run's value, `cfg`'s) for each way the run recorded in RUN/config.toml
+    is another run than `cfg`, read without loading a snapshot; [] when it is the same run or
+    none is recorded there."""
+    path = Path(run_dir) / "config.toml"
+    if not find_snapshots(run_dir) or not path.is_file():
+        return []
+    try:
+        saved = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return []  # the resume's own checks read the snapshot and say what is wrong
+    out = []
+    for name in OTHER_RUN_FIELDS:
+        section, _, key = name.rpartition(".")
+        old = (saved.get(section, {}) if section else saved).get(key)
+        new = operator.attrgetter(name)(cfg)
+        if name == "tokenizer" and new == "auto":
+            continue
+        if name == "model.vocab_size" and new == type(cfg.model)().vocab_size:
+            continue  # the default: the run's tokenizer decides it (NOTE [vocabulary size])
+        if old != (list(new) if isinstance(new, tuple) else new):
+            out.append((name, old, new))
+    return out
+
+
+def changes_in_words(changes: list[tuple[str, Any, Any]]) -> str:
+    """`it has --model.n-layer 2 --seed 1337; this command: 4, 7` for a message."""
+    was = " ".join(flag(n) + " unset" if o is None else flag_value(n, o) for n, o, _ in changes)
+    return f"it has {was}; this command: {', '.join(repr(new) for _, _, new in changes)}"
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
@@ -207,10 +281,7 @@ def maybe_resume(run: Run, *, required: bool) -> bool:
 
     payload, path = load_snapshot(out, check=restore)
     if run.state.step >= run.cfg.steps:
-        raise ConfigError(
-            f"{out} already finished: it trained {run.state.step} of --steps {run.cfg.steps}; "
-            + ways_on(out, run.cfg.steps)
-        )
+        raise RunComplete(out, run.state.step, run.cfg.steps)
     if payload.get("world_size", 1) != run.dist.world_size:
         log.warning(
             "resuming a snapshot of %s ranks with %d: batches and random streams differ from "
