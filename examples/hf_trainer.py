@@ -7,8 +7,8 @@ schedule stay as they were, and the log line says ``skipped_steps 1 (NONFINITE_G
 run with the plain ``Trainer`` ends with NaN weights. Evaluation, four times, runs isolated
 (``eval_mode`` + ``rng_isolated``), so it does not change the training run.
 
-    python examples/hf_trainer.py            # 300 steps, guarded then plain: 67 s (measured on
-                                             # 2 cores shared with other jobs, load 11)
+    python examples/hf_trainer.py            # 300 steps, guarded then plain; measured
+                                             # 67 s on 2 cores shared with other jobs (load 11)
     python examples/hf_trainer.py --smoke
 
 Patterns: ``GuardedTrainer`` (isotrain.integrations.transformers) over ``GuardedOptimizer`` /

@@ -7,8 +7,8 @@ step: weights, AdamW moments and the LR stay as they were, and the logged ``skip
 ``skip_reason`` say so. The same run without it ends with NaN weights. Validation during training
 runs isolated (``eval_mode`` + ``rng_isolated``), so it does not change the training run.
 
-    python examples/lightning_trainer.py     # 400 steps, guarded then plain: 45 s (measured on
-                                             # 2 cores shared with other jobs, load 11)
+    python examples/lightning_trainer.py     # 400 steps, guarded then plain; measured
+                                             # 45 s on 2 cores shared with other jobs (load 11)
     python examples/lightning_trainer.py --smoke
 
 Patterns: ``GuardCallback`` (isotrain.integrations.lightning) over ``GuardedOptimizer`` /

@@ -105,7 +105,7 @@ def _gone(pid: int) -> bool:
 @pytest.mark.slow
 def test_killing_the_launcher_stops_the_worker(tmp_path) -> None:
     run, err = tmp_path / "run", tmp_path / "worker.err"
-    argv = ["train", *SMOKE, "--steps", "100000", "--out-dir", str(run)]
+    argv = ["train", *SMOKE, "--steps", "100000", "--snapshot.every", "4", "--out-dir", str(run)]
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(err), *argv], stdout=subprocess.PIPE, text=True
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,18 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         ) from e
     records = read_metrics(run_dir)
     out = Path(run_dir) if out_dir is None else Path(out_dir) / Path(run_dir).resolve().name
+    fresh = not out.exists()
     out = make_dir(out, follow=True)  # a folder the user named; files in it are never followed
+    try:
+        return _draw(plt, records, run_dir, out)
+    except BaseException:  # a full disk: a folder this call made goes again, with what it holds
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _draw(plt: Any, records: list[dict[str, Any]], run_dir: str | Path, out: Path) -> list[Path]:
+    """Each figure of `plot_run`, written into `out` through fresh files."""
     written = []
 
     def save(fig: Any, name: str) -> None:
