@@ -204,8 +204,8 @@ def markdown(res: dict[str, Any]) -> str:
         f" fp32, clip 1.0, AdamW. Clock: {CLOCKS[res['args']['clock'] or 'cpu']}. "
         f"{m['stop']['rounds']} rounds ({m['stop']['reason']}).",
         "",
-        "Taken on a shared 2-core machine with other jobs running (load average above): the "
-        "per-round pairing and the CPU-time clock keep the ratio, not the absolute ms, reliable.",
+        "Other work on the machine shows in the load average above: the per-round pairing and the "
+        "CPU-time clock keep the ratio, not the absolute ms, reliable.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
