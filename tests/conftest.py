@@ -51,3 +51,17 @@ def _isolation_audit() -> Iterator[None]:
         audit.restore()
         leaks = "\n".join(f"  - {d}" for d in audit.differences)
         pytest.fail(f"test leaked global state (restored now):\n{leaks}", pytrace=False)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for the test, restored after it. Tiny models do microseconds per op,
+    and on a shared 2-core machine two OpenMP threads spin-wait for each other whenever a
+    neighbour takes a core (steps measured 2 ms on one thread, 870 ms on two): one thread keeps
+    the tests' time independent of the load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
