@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from isotrain.train.cli.launch import nproc_per_node
 from isotrain.train.cli.main import main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,6 +140,7 @@ def _run(argv: list[str]) -> int:
 FEW_STEPS = ["--steps", "2", "--data.batch-size", "2", "--eval-batches", "1"]
 FEW_STEPS += ["--sample-tokens", "8", "--precision", "fp32", "--data.max-bytes", "200000"]
 NOT_RUN = {".venv/bin/pip", ".venv/bin/torchrun"}  # installs (done), and many processes
+# (as is `isotrain train --nproc-per-node`)
 NOT_RUN_MAKE = {"test", "lint", "bench", "docs"}  # the suite itself, dev tools
 
 
@@ -224,6 +226,11 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
                 isotrain = command[command.index("isotrain") + 1 :]
                 assert "--out-dir" in isotrain, command  # never the default run directory
                 parse_train_args(isotrain[1:])
+            continue
+        if "--nproc-per-node" in command and command[0] == ".venv/bin/isotrain":
+            left_out.append(command)  # many processes: tests/train/test_launch.py runs one
+            assert "--out-dir" in command, command
+            parse_train_args(nproc_per_node(command[2:])[1])
             continue
         if command[0] == "make":
             assert len(command) == 2 or command[2].startswith("TORCH="), command

@@ -165,7 +165,8 @@ class ParallelConfig:
     """Distributed training under torchrun."""
 
     mode: Literal["none", "ddp", "fsdp"] = "none"
-    """none (one process), ddp, or fsdp (FSDP2); launch with torchrun for ddp/fsdp."""
+    """none (one process), ddp, or fsdp (FSDP2); ddp/fsdp run in several processes:
+    --nproc-per-node N on one machine, or torchrun -m isotrain train."""
 
 
 LoggerName = Literal["jsonl", "csv", "tensorboard", "wandb"]

@@ -20,6 +20,7 @@ import torch
 from isotrain.train.fields import ConfigError
 
 __all__ = [
+    "LAUNCHER",
     "OutOfMemory",
     "check_device",
     "check_directory",
@@ -28,6 +29,10 @@ __all__ = [
     "memory_for",
     "relative",
 ]
+
+# Set by `isotrain train --nproc-per-node` for its torchrun workers: the program the user ran
+# (for next-step hints), and the sign that the launcher prints the workers' user errors.
+LAUNCHER = "ISOTRAIN_LAUNCHER"
 
 # torch's CPU allocator: "... you tried to allocate 123 bytes"; CUDA: "Tried to allocate 2.00 GiB"
 _SIZE = re.compile(r"tried to allocate\s+([0-9.]+\s*(?:bytes|[KMGTP]i?B))", re.IGNORECASE)

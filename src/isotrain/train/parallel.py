@@ -1,6 +1,7 @@
 """torchrun process group, DDP / FSDP2 wrapping, and rank helpers.
 
-isotrain never launches processes itself: `torchrun` sets RANK, WORLD_SIZE, LOCAL_RANK,
+Processes come from torchrun (`torchrun -m isotrain train`, or `isotrain train
+--nproc-per-node N`, which runs torchrun's launcher): it sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT, and this module reads them. NCCL on CUDA, gloo on the CPU.
 """
 
@@ -103,8 +104,8 @@ def init_distributed(mode: str, device_name: str) -> DistInfo:
     if not present:
         if mode != "none":
             raise ConfigError(
-                f"--parallel.mode {mode} needs torchrun: "
-                f"torchrun --nproc-per-node 2 -m isotrain train --parallel.mode {mode}"
+                f"--parallel.mode {mode} needs several processes: isotrain train "
+                f"--nproc-per-node 2 --parallel.mode {mode} (or torchrun -m isotrain train)"
             )
         return DistInfo(0, 1, 0, resolve_device(device_name))
     missing = [v for v in _TORCHRUN_VARS if v not in os.environ]

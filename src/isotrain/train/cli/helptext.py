@@ -119,6 +119,7 @@ def short_help(cfg: TrainConfig) -> str:
         ("--preset NAME", f"tiny (default), small, smoke; --help {PRESETS_PAGE}"),
         ("--config FILE.toml", "settings from a TOML file ([model], [optim], ... sections; "
          "a run's OUT_DIR/config.toml works as is)"),
+        ("--nproc-per-node N", "N workers here through torchrun; see --help parallel"),
     ]  # fmt: skip
     for path in COMMON:
         section = path.rpartition(".")[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 from isotrain.train.cli.args import parse
 from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
 from isotrain.train.cli.flags import options
+from isotrain.train.cli.launch import launch, nproc_per_node, tell_launcher
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
 from isotrain.train.data.batches import DataError
 from isotrain.train.environment import install_hint
@@ -175,8 +176,14 @@ def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.report.progress import where_and_next
     from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
 
+    nproc, argv = nproc_per_node(argv)
     cfg, origin = _resolve(argv)
     validate(cfg)
+    if nproc is not None and cfg.parallel.mode == "none":
+        raise ConfigError(
+            f"--nproc-per-node {nproc} trains one model in {nproc} processes: pass "
+            "--parallel.mode ddp (or fsdp)"
+        )
     if not _named_out_dir(argv):
         differs = other_run(cfg.out_dir, cfg)
         if differs:
@@ -185,16 +192,28 @@ def cmd_train(argv: Sequence[str]) -> int:
                 f"command is a new run: pass --out-dir {_new_run_name(argv, cfg)} (or any new "
                 "directory)"
             )
+    if nproc is not None:
+        return launch(nproc, argv)
     try:
         train(cfg, origin=origin)
-    except TrainingStopped as e:
-        sys.stderr.write(f"isotrain train: {e}\n")
+    except TrainingStopped as e:  # every rank stops alike: rank 0 says it
+        if _is_rank0():
+            sys.stderr.write(f"isotrain train: {e}\n")
         return 128 + e.signum
     except RunComplete as e:
         if _is_rank0():
             lines = where_and_next(e.run_dir, cfg.report.loggers)
             sys.stdout.write(f"isotrain train: {e}\n" + "".join(ln + "\n" for ln in lines))
     return 0
+
+
+def _say(line: str, *, everywhere: bool) -> None:
+    """Print a user error once: in a torchrun worker it also goes to torchrun's error file, and
+    the launcher of `--nproc-per-node` prints it instead of the workers."""
+    if tell_launcher(line):
+        return
+    if everywhere or _is_rank0():
+        sys.stderr.write(line + "\n")
 
 
 def _is_rank0() -> bool:
@@ -263,11 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]][0](argv[1:])
     except USER_ERRORS as e:  # the same on every rank of a torchrun job: rank 0 says it
-        if _is_rank0() or not isinstance(e, ConfigError):
-            sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        _say(f"isotrain {argv[0]}: error: {e}", everywhere=not isinstance(e, ConfigError))
         return 2
     except WriteError as e:  # the machine, not the command: exit 1
-        sys.stderr.write(f"isotrain {argv[0]}: error: {e}\n")
+        _say(f"isotrain {argv[0]}: error: {e}", everywhere=True)
         return 1
     except ImportError as e:
         message = _missing_extra(e)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import sys
 import time
@@ -18,6 +19,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from isotrain.train.environment import LAUNCHER
 from isotrain.train.rundir.integrity import read_pointer
 from isotrain.train.rundir.metrics import METRICS_FILE
 
@@ -165,8 +167,9 @@ class Reporter:
 def invoked_as() -> str:
     """How the user ran isotrain, for next-step hints: `isotrain` (on the PATH), the path they
     typed (`.venv/bin/isotrain`), or the interpreter that runs this (`.venv/bin/python -m
-    isotrain`, as under torchrun), which the system python may not be."""
-    argv0 = sys.argv[0] if sys.argv else ""
+    isotrain`, as under torchrun), which the system python may not be. A worker of
+    `isotrain train --nproc-per-node` names the launcher's program."""
+    argv0 = os.environ.get(LAUNCHER) or (sys.argv[0] if sys.argv else "")
     if Path(argv0).name != "isotrain":
         exe = Path(sys.executable)
         on_path = shutil.which(exe.name)
