@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import math
 import statistics
 
 import pytest
@@ -491,3 +492,31 @@ def test_state_dict_crosses_skip_modes(src, dst):
     s = guard.summary()
     assert s == resumed.summary() and s["skipped_by_reason"]["NONFINITE_LOSS"] == 1
     assert int(resumed.consecutive_skips) == int(guard.consecutive_skips) == 0
+
+
+@pytest.mark.parametrize(
+    ("loss", "dtype"),
+    [(2.5, torch.float32), (1 / 3, torch.float64), (1 / 3, torch.bfloat16), (1e39, torch.float64),
+     (-1e39, torch.float64), (float("nan"), torch.float32), (-0.0, torch.float32)],
+)  # fmt: skip
+def test_the_host_outcome_loss_is_the_device_modes_float32_value(loss, dtype):
+    import dataclasses
+
+    model = make_model()
+    guard = StepGuard(torch.optim.SGD(model.parameters(), lr=0.1), model, spike_k=None)
+    assert guard.skip_mode == "host"
+    loss_of(model, 0).backward()
+    given = torch.tensor([loss], dtype=dtype)  # a (1,) loss reads as the scalar, as before
+    outcome = guard.step(given)
+    want = given.to(torch.float32).reshape(())  # what the device modes hold
+    assert outcome.loss.dtype == torch.float32 and outcome.loss.shape == ()
+    assert torch.equal(outcome.loss.view(torch.int32), want.view(torch.int32)) or (
+        want.isnan() and outcome.loss.isnan()
+    )
+    assert outcome.loss is outcome.loss  # made once
+    assert [f.name for f in dataclasses.fields(outcome)] == [
+        "applied", "reason", "grad_norm", "loss", "loss_scale"
+    ]  # fmt: skip
+    assert bool(outcome.applied) == (abs(loss) < 1e38)  # beyond float32: inf, skipped
+    for read in (outcome.to_dict()["loss"], guard.summary()["last_loss"]):
+        assert read == float(want) or math.isnan(float(want))  # the float32 value, 1e39: inf

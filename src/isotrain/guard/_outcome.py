@@ -7,8 +7,9 @@ Shared by :class:`isotrain.guard.StepGuard`'s device and host paths (and re-expo
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass
-from math import isfinite
+from math import copysign, inf, isfinite
 from typing import Any
 
 import torch
@@ -53,12 +54,53 @@ class StepOutcome:
                 "loss": loss, "loss_scale": s}  # fmt: skip
 
 
+class HostOutcome(StepOutcome):
+    """The host mode's StepOutcome: `loss` becomes a tensor when first read.
+
+    The host decision has the loss as a float already; most steps never read the outcome's
+    loss, so it is not copied into a tensor each step (NOTE [host outcome] in guard._step).
+    """
+
+    def __init__(
+        self,
+        applied: torch.Tensor,
+        reason: torch.Tensor,
+        grad_norm: torch.Tensor,
+        loss: float,
+        loss_scale: torch.Tensor,
+        device: torch.device,
+    ) -> None:
+        d = self.__dict__  # frozen: set once, here, without one call per field
+        d["applied"], d["reason"], d["grad_norm"], d["loss_scale"] = (
+            applied, reason, grad_norm, loss_scale
+        )  # fmt: skip
+        d["_loss_value"], d["_device"] = loss, device
+
+    @property  # a read-only field, made on first read
+    def loss(self) -> torch.Tensor:
+        d = self.__dict__
+        if "_loss" not in d:
+            d["_loss"] = torch.tensor(d["_loss_value"], dtype=torch.float32, device=d["_device"])
+        return d["_loss"]
+
+
 # The skip flags in priority order (the first set one is the reason).
 _FLAG_CODES: tuple[int, ...] = tuple(int(c) for c in (  # plain ints: cheap on the host path
     SkipReason.NONFINITE_LOSS, SkipReason.SCALER_OVERFLOW, SkipReason.NONFINITE_GRAD,
     SkipReason.LOSS_SPIKE, SkipReason.GRAD_SPIKE))  # fmt: skip
 _NONFINITE_LOSS, _SCALER_OVERFLOW, _NONFINITE_GRAD = _FLAG_CODES[:3]
 _SPIKE_CODES = (0, int(SkipReason.LOSS_SPIKE), int(SkipReason.GRAD_SPIKE))  # observe()'s
+
+
+_F32 = struct.Struct("f")
+
+
+def _round_f32(value: float) -> float:
+    """`value` rounded to float32 as a tensor cast rounds it (beyond float32's range: +-inf)."""
+    try:
+        return _F32.unpack(_F32.pack(value))[0]
+    except OverflowError:
+        return copysign(inf, value)
 
 
 def _host_reason(

@@ -31,10 +31,12 @@ from isotrain.guard._buffers import BufferGuard
 from isotrain.guard._optim import optimizer_chain, optimizer_params
 from isotrain.guard._outcome import (
     _FLAG_CODES,
+    HostOutcome,
     SkipReason,
     StepOutcome,
     _clip_is_one,
     _host_reason,
+    _round_f32,
 )
 from isotrain.guard._select import SelectiveStep
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
@@ -63,6 +65,16 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         return t.to(device=device, dtype=torch.float32)
     return t
 
+
+_NOT_SCALAR = "guard.step(loss) needs the scalar (mean) loss, got shape {}"
+
+# NOTE [host outcome]
+# In host mode the decision reads the loss as a host float (`.item()`), so the outcome keeps
+# that float and makes its `loss` tensor only when read (HostOutcome): no copy per step. The
+# float is rounded to float32 first, so the tensor, the spike window and the counters hold the
+# value the device modes would (a float64 loss beyond float32's range is inf there too). Why
+# count torch calls: a step's first call of each torch function runs cold after backward
+# (5-20 us each on a CPU), while a repeat of one costs about a microsecond.
 
 # NOTE [what the guard counts]
 # The trainer's step counter and LR schedule count *attempted* steps; the optimizer's internal
@@ -208,21 +220,24 @@ class StepGuard:
 
     def _host_step(self, loss: torch.Tensor | float) -> StepOutcome:
         # NOTE [skip modes] in guard_select: on CPU every read below waits for no device.
-        # Few Python calls in the usual case (one rank, no scaler): in a real loop, where forward
-        # and backward evict the guard from the caches, each costs about a microsecond.
-        loss32 = self._loss32(loss)
+        # Few Python calls and few distinct torch calls in the usual case (one rank, no scaler):
+        # in a real loop, forward and backward evict the guard from the caches, and the first
+        # call of each torch function in a step costs 5-20 microseconds (NOTE [host outcome]).
+        lf = self._host_loss(loss)
         scale, found_inf = (self._one, None) if self.scaler is None else self._unscale()
         grads, norm = self._grad_norm()
         norm_g = _on(norm, self.device)
+        loss32 = None
         if (self._world_size or self._world()) > 1:
             overflow = found_inf if found_inf is not None else torch.zeros((), device=self.device)
+            loss32 = torch.tensor(lf, dtype=torch.float32, device=self.device)
             vec = self._all_reduce_mean(torch.stack([loss32, norm_g, overflow.float()]))
             loss32, norm_g = vec[0], vec[1]
             lf, nf, of = vec.tolist()  # sync: host mode
             if found_inf is not None:
                 self._agree_found_inf(vec[2] > 0)
         else:
-            lf, nf = loss32.item(), norm_g.item()  # sync: host mode
+            nf = norm_g.item()  # sync: host mode
             of = found_inf.item() if found_inf is not None else 0.0  # sync: host mode
         # The whole decision, and the spike window's update when it is 0 (apply): one call.
         reason = _host_reason(lf, of, nf, self.spikes)  # type: ignore[arg-type]
@@ -243,7 +258,20 @@ class StepGuard:
         self._last = [float(reason), nf, lf, sf]
         self.optimizer.zero_grad(set_to_none=True)
         applied_t, reason_t = self._consts
+        if loss32 is None:
+            return HostOutcome(applied_t[reason], reason_t[reason], norm_g, lf, scale, self.device)
         return StepOutcome(applied_t[reason], reason_t[reason], norm_g, loss32, scale)
+
+    @staticmethod
+    def _host_loss(loss: torch.Tensor | float) -> float:
+        """The loss as a host float, rounded as a float32 tensor holds it (one read)."""
+        if not isinstance(loss, torch.Tensor):
+            return _round_f32(float(loss))
+        try:
+            value = loss.item()  # sync: host mode
+        except RuntimeError:
+            raise ValueError(_NOT_SCALAR.format(tuple(loss.shape))) from None
+        return value if loss.dtype is torch.float32 else _round_f32(float(value))
 
     def _resolve_mode(self, mode: str, device: torch.device) -> str:
         inner = self.inner
@@ -316,9 +344,7 @@ class StepGuard:
         if not isinstance(loss, torch.Tensor):
             return torch.tensor(float(loss), dtype=torch.float32, device=self.device)
         if loss.numel() != 1:
-            raise ValueError(
-                f"guard.step(loss) needs the scalar (mean) loss, got shape {tuple(loss.shape)}"
-            )
+            raise ValueError(_NOT_SCALAR.format(tuple(loss.shape)))
         loss = loss.to(device=self.device, dtype=torch.float32, copy=True)  # one op
         return loss if loss.dim() == 0 else loss.reshape(())
 

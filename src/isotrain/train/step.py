@@ -37,18 +37,25 @@ def forward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return run.train_model(x, y)
 
 
+def _micro_step(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its loss as the updater used it."""
+    loss = forward(run, x, y)
+    if run.cfg.grad_accum > 1:  # one micro-batch: no extra op on the step's fixed cost
+        loss = loss / run.cfg.grad_accum
+    return run.updater.backward(loss, run.state.step)
+
+
 def train_step(run: Run) -> Any:
     """One optimizer step over `grad_accum` micro-batches; returns the device-side outcome."""
     cfg, st = run.cfg, run.state
     loss_sum: torch.Tensor | None = None
     for micro in range(cfg.grad_accum):
         x, y, n = run.batches.get("train", st.step, micro)
-        # Gradients reduce across ranks only on the last micro-batch's backward.
-        with no_grad_sync(run.train_model, sync=micro == cfg.grad_accum - 1):
-            loss = forward(run, x, y)
-            if cfg.grad_accum > 1:  # one micro-batch: no extra op on the step's fixed cost
-                loss = loss / cfg.grad_accum
-            used = run.updater.backward(loss, st.step)
+        if micro == cfg.grad_accum - 1:  # the last (or only) one reduces gradients across ranks
+            used = _micro_step(run, x, y)
+        else:
+            with no_grad_sync(run.train_model, sync=False):
+                used = _micro_step(run, x, y)
         loss_sum = used if loss_sum is None else loss_sum.detach() + used.detach()
         st.tokens_seen += n * run.dist.world_size
     set_lr(run.optimizer, lr_at(st.step, cfg.optim, cfg.steps) * run.updater.lr_factor(st.step))
