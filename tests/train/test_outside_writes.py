@@ -191,6 +191,34 @@ def test_a_failed_prepare_over_prepared_data_leaves_that_data_whole(tmp_path, ca
     assert _hashes(tmp_path / "out") == before  # old token files and meta.json, no temporaries
 
 
+@pytest.mark.parametrize("stage", ["_meta", "_drop_stale_meta"])
+def test_prepare_fails_after_its_token_files_are_written_leaving_the_old_data_whole(
+    tmp_path, monkeypatch, capsys, stage
+) -> None:
+    """The last things prepare does (the meta record, the old meta.json's removal) fail as a
+    full disk would: the token files already written must not have replaced the old ones."""
+    from isotrain.train.data import prepare as P
+
+    out = tmp_path / "out"
+    argv = ["prepare", "--input", str(_corpus(tmp_path / "in")), "--out", str(out),
+            "--no-progress", "--tokenizer", "bpe", "--vocab-size", "300"]  # fmt: skip
+    assert main(argv) == 0
+    before = _hashes(out)
+    assert {"train.bin", "val.bin", "meta.json", "tokenizer.json"} <= set(before)
+
+    def full(*args: Any) -> NoReturn:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out / "meta.json"))
+
+    monkeypatch.setattr(P, stage, full)
+    capsys.readouterr()
+    assert main([*argv, "--overwrite", "--vocab-size", "280"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.startswith(f"isotrain prepare: error: could not write {out}") and err.count("\n") == 1
+    )
+    assert _hashes(out) == before  # old token files, tokenizer and meta.json; no temporaries
+
+
 # ------------------------------------------------------------- odd but valid JSONL records
 def _jsonl(tmp_path: Path, odd: str, at: int = 3) -> Path:
     lines = [json.dumps({"text": f"record {i}: " + TEXT[:200]}) for i in range(40)]

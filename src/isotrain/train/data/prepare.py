@@ -27,13 +27,14 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from isotrain.train.data.batches import token_dtype
 from isotrain.train.data.sources import META_FILE, DataError, find_files, is_val_file
 from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from isotrain.train.files import check_regular, make_dir, new_file, replace_file
+from isotrain.train.files import check_regular, make_dir, new_file
 
 __all__ = ["Part", "plan_parts", "prepare"]
 
 log = logging.getLogger(__name__)
 BLOCK = 1 << 20  # bytes read per piece of text
 DATASETS_SUFFIXES = {".json": "json", ".parquet": "parquet"}
+TOKENIZER_FILE = "tokenizer.json"  # a trained (BPE) tokenizer, beside the token files
 
 
 @dataclass(frozen=True)
@@ -294,18 +295,34 @@ def prepare(
             tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)
             task = bar.add_task("tokenize", total=sum(p.end - p.start for p in parts))
             dtype = token_dtype(tok.vocab_size)
-            # Fresh temporaries, renamed onto train.bin / val.bin only when both are complete.
+            # NOTE [prepare publishes whole]: every file goes to a fresh temporary, written and
+            # flushed inside this block; only then are they renamed, token files first and
+            # meta.json last (an ExitStack exits in reverse). A full disk or a bad record at any
+            # point leaves the folder as it was.
+            outputs = {META_FILE: opened.enter_context(new_file(root / META_FILE))}
+            trained = tok if isinstance(tok, HFTokenizer) else None
+            if trained is not None:
+                outputs[TOKENIZER_FILE] = opened.enter_context(new_file(root / TOKENIZER_FILE))
             writers = {s: _Writer(opened.enter_context(new_file(root / f"{s}.bin")), dtype)
                        for s in ("train", "val")}  # fmt: skip
             splits = _write_splits(parts, tok, writers, text_field, lambda n: bar.advance(task, n))
             _check_splits(splits)
+            meta = _meta(tok, splits)
+            if trained is not None:
+                outputs[TOKENIZER_FILE].write(trained.json.encode("utf-8"))
+            outputs[META_FILE].write((json.dumps(meta, indent=2) + "\n").encode("utf-8"))
+            for f in [*outputs.values(), *(w.file for w in writers.values())]:
+                f.flush()
             _drop_stale_meta(root)
-        return _publish(root, tok, splits)
     except BaseException:  # a full disk, a bad record, Ctrl-C: the temporaries are gone already
         if created:
             with contextlib.suppress(OSError):
                 root.rmdir()  # only while empty
         raise
+    log.info(
+        "%s: %d train / %d val tokens", root, splits["train"]["tokens"], splits["val"]["tokens"]
+    )
+    return meta
 
 
 def _drop_stale_meta(root: Path) -> None:
@@ -323,23 +340,14 @@ def _check_splits(splits: dict[str, dict[str, Any]]) -> None:
         )
 
 
-def _publish(root: Path, tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """With the token files in place: the tokenizer, then meta.json last."""
-    name = "bytes"
-    if isinstance(tok, HFTokenizer):
-        name = "tokenizer.json"
-        tok.save(root / name)
-    meta = {
+def _meta(tok: Tokenizer, splits: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The meta.json record: format, token dtype, vocabulary, tokenizer and its hash, splits."""
+    return {
         "format": "isotrain-tokens",
         "version": 1,
         "dtype": token_dtype(tok.vocab_size).name,
         "vocab_size": tok.vocab_size,
-        "tokenizer": name,
+        "tokenizer": TOKENIZER_FILE if isinstance(tok, HFTokenizer) else "bytes",
         "tokenizer_sha256": tok.sha256,
         "splits": splits,
     }
-    replace_file(root / META_FILE, json.dumps(meta, indent=2) + "\n")
-    log.info(
-        "%s: %d train / %d val tokens", root, splits["train"]["tokens"], splits["val"]["tokens"]
-    )
-    return meta
