@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
 from isotrain.train import loop
 from isotrain.train.cli.main import main
+from isotrain.train.rundir import integrity
 from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.rundir.snapshot import SnapshotError, find_snapshots, load_snapshot
 
@@ -54,17 +56,44 @@ def test_a_reader_never_loses_to_the_pruner(tmp_path, caplog) -> None:
     trainer = threading.Thread(target=lambda: result.append(main(argv)), daemon=True)
     trainer.start()
     deadline, reads, errors = time.monotonic() + 240, 0, []
-    with caplog.at_level(logging.WARNING):
-        while trainer.is_alive() and time.monotonic() < deadline:
-            if not (run / "snapshots" / "LATEST").is_file():
-                time.sleep(0.01)
-                continue
-            try:
-                load_snapshot(run, check=None)
-                reads += 1
-            except SnapshotError as e:
-                errors.append(str(e))
-    trainer.join(timeout=max(deadline - time.monotonic(), 1))
+    try:
+        with caplog.at_level(logging.WARNING):
+            while trainer.is_alive() and time.monotonic() < deadline:
+                if not (run / "snapshots" / "LATEST").is_file():
+                    time.sleep(0.01)
+                    continue
+                try:
+                    load_snapshot(run, check=None)
+                    reads += 1
+                except SnapshotError as e:
+                    errors.append(str(e))
+    finally:  # never leave the trainer printing into the next test
+        trainer.join(timeout=max(deadline - time.monotonic(), 1))
     assert not trainer.is_alive() and result == [0]
     assert errors == [] and reads >= 10
+    assert "damaged" not in caplog.text
+
+
+def test_a_snapshot_renamed_away_between_its_check_and_its_read_is_listed_again(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """The pruner's rename lands after a file was found but before it is read: the reader
+    takes another snapshot, with no traceback and no "damaged" warning."""
+    run = tmp_path / "run"
+    argv = ["train", *SMOKE, "--steps", "2", "--snapshot.every", "1", "--snapshot.keep", "2"]
+    assert main([*argv, "--out-dir", str(run)]) == 0
+    first, latest = find_snapshots(run)
+    real, pruned = integrity.sha256, []
+
+    def pruned_while_reading(path):
+        if not pruned and latest in path.parents:
+            pruned.append(path)
+            os.replace(latest, latest.with_name(".pruned"))
+            (latest.parent / "LATEST").write_text(first.name)  # as the writer moves it on
+        return real(path)
+
+    monkeypatch.setattr(integrity, "sha256", pruned_while_reading)
+    with caplog.at_level(logging.WARNING):
+        _, path = load_snapshot(run, check=None)
+    assert pruned and path == first
     assert "damaged" not in caplog.text

@@ -86,9 +86,10 @@ def read_meta(snap: Path) -> dict[str, Any]:
     path = snap / "meta.json"
     if path.is_symlink() or not path.is_file():
         raise SnapshotError(f"{snap}: meta.json is missing or a link")
-    if path.stat().st_size > META_LIMIT:
-        raise SnapshotError(f"{snap}: meta.json is {path.stat().st_size} bytes, too big to be one")
-    try:
+    try:  # a pruner may rename the snapshot away at any point: that too is one SnapshotError
+        size = path.stat().st_size
+        if size > META_LIMIT:
+            raise SnapshotError(f"{snap}: meta.json is {size} bytes, too big to be one")
         meta = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError) as e:
         raise SnapshotError(f"{snap}: unreadable meta.json ({one_line(e)})") from None
@@ -131,7 +132,11 @@ def verify_files(snap: Path, files: dict[str, str]) -> None:
         path = snap / rel
         if path.is_symlink() or not path.is_file() or not contained(path, snap):
             raise SnapshotError(f"{snap}: {rel} is missing, a link, or not a regular file")
-        if sha256(path) != digest:
+        try:
+            actual = sha256(path)
+        except OSError as e:  # gone since the check above (pruned), or unreadable
+            raise SnapshotError(f"{snap}: {rel} could not be read ({one_line(e)})") from None
+        if actual != digest:
             raise SnapshotError(f"{snap}: {rel} is damaged: its checksum does not match")
 
 
