@@ -131,6 +131,17 @@ def conv_forward(conv: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torc
     return conv._conv_forward(x, weight, conv.bias)  # type: ignore[operator]
 
 
+# -- Tensor.to arguments ----------------------------------------------------------------------
+def to_target_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    """The device a `Tensor.to(*args, **kwargs)` call moves to (None: it names none), read
+    with torch's own parser of those arguments."""
+    try:
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return device if isinstance(device, torch.device) else None
+
+
 # -- pytrees ----------------------------------------------------------------------------------
 def tree_leaves(obj: Any) -> list[Any]:
     """The leaves of nested tuples, lists, dicts and registered containers (model outputs)."""

@@ -78,6 +78,8 @@ ONE = {"n_layer": 1}
 CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]], str]] = [
     ("host_sync", lambda: mlp_setup(step=zoo.step_with_item), mlp_setup, "warning"),
     ("host_sync", lambda: mlp_setup(step=zoo.step_with_mask), mlp_setup, "warning"),
+    ("host_sync", lambda: mlp_setup(step=zoo.step_with_to_cpu),
+     lambda: mlp_setup(step=zoo.step_moving_its_batch), "warning"),
     ("mode_leak", lambda: mlp_setup(eval_fn=zoo.eval_forgets_train), mlp_setup, "error"),
     ("grad_mode_leak", lambda: mlp_setup(eval_fn=zoo.eval_grad_off), mlp_setup, "error"),
     ("autocast_leak", lambda: mlp_setup(eval_fn=zoo.eval_autocast_on), mlp_setup, "error"),
@@ -137,6 +139,15 @@ def test_a_host_sync_is_located_at_the_users_line_and_counted_per_step() -> None
     (f,) = examine(**mlp_setup(step=zoo.step_with_item), checks=["host_sync"]).of("host_sync")
     assert f.where.endswith(f"zoo.py:{line}")
     assert f.evidence.startswith("1 sync(s) per step from .item()")
+
+
+def test_a_copy_to_the_host_is_a_sync_where_the_line_names_the_host() -> None:
+    lines, start = inspect.getsourcelines(zoo.step_with_to_cpu)
+    line = start + next(i for i, s in enumerate(lines) if '.to("cpu")' in s)
+    (f,) = examine(**mlp_setup(step=zoo.step_with_to_cpu), checks=["host_sync"]).of("host_sync")
+    assert f.where.endswith(f"zoo.py:{line}") and f.severity == "warning"
+    assert f.evidence == '1 sync(s) per step from .to("cpu")'
+    assert f.fix.startswith("move values to the host only at log steps")
 
 
 def test_batchnorm_mixing_is_information_not_an_error() -> None:

@@ -203,6 +203,23 @@ def step_with_item(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> 
     return loss
 
 
+def step_with_to_cpu(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    opt.zero_grad()
+    loss = ce(model, batch)
+    loss.backward()
+    opt.step()
+    LOGGED.append(loss.detach().to("cpu"))  # BUG: a host copy every step (a sync on a GPU)
+    return loss.detach()
+
+
+DEVICE = torch.device("cpu")  # where the model lives; on a GPU run, "cuda"
+
+
+def step_moving_its_batch(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    x, y = (t.to(DEVICE) for t in batch)  # to the model's device: no sync on any device
+    return good_step(model, opt, (x, y))
+
+
 def step_with_mask(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
     x, y = batch
     opt.zero_grad()

@@ -33,7 +33,7 @@ def _fix_for(what: str) -> str:
         return _READ_FIX
     if what.startswith(("torch.equal", "torch.allclose")):
         return _COMPARE_FIX
-    if what.startswith((".tolist()", ".numpy()", ".cpu()")):
+    if what.startswith((".tolist()", ".numpy()", ".cpu()", '.to("cpu")')):
         return _HOST_FIX
     return _SIZE_FIX
 

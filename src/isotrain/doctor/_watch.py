@@ -11,6 +11,7 @@ import contextlib
 import linecache
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from isotrain._torch_private import DispatchMode, tree_leaves
+from isotrain._torch_private import DispatchMode, to_target_device, tree_leaves
 
 __all__ = ["OpWatch", "Site", "bad_values", "user_site", "value_ranges", "watching"]
 
@@ -49,6 +50,10 @@ _MASK_OPS = {
 _MASK_OPS[aten.index_put.default] = "x[mask] = v"
 # Python-level methods that read a tensor on the host without any aten op on a CPU
 _METHODS = {"tolist": ".tolist()", "numpy": ".numpy()", "cpu": ".cpu()"}
+TO_HOST = '.to("cpu")'
+# A line that names the host as a `.to` target: `.to("cpu")`, `.to(device='cpu')`,
+# `.to(torch.device("cpu"))`. On a CPU run `x.to(device)` is the model's own device, no sync.
+_NAMES_HOST = re.compile(r"""\.to\(\s*(?:device\s*=\s*)?(?:torch\.device\(\s*)?["']cpu["']""")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,7 @@ class Site:
     library: bool  # inside an installed package (site-packages), not the user's own code
     in_optimizer: bool  # under torch.optim (its CPU step counters, not the user's code)
     marked: bool = False  # the line carries a `# sync:` comment: intentional
+    names_host: bool = False  # the line moves a tensor `.to("cpu")` by name
 
 
 def user_site() -> Site:
@@ -72,8 +78,11 @@ def user_site() -> Site:
         if not (path.startswith((_TORCH, _STDLIB, _DOCTOR)) or path.startswith("<frozen")):
             lib = "site-packages" in path or "dist-packages" in path
             lib = lib and f"{os.sep}isotrain{os.sep}" not in path
-            marked = "# sync:" in linecache.getline(path, frame.f_lineno)
-            return Site(f"{_short(path)}:{frame.f_lineno}", lib, in_optim, marked)
+            line = linecache.getline(path, frame.f_lineno)
+            return Site(
+                f"{_short(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
+                bool(_NAMES_HOST.search(line)),
+            )  # fmt: skip
         frame = frame.f_back  # type: ignore[assignment]
     return Site("<torch>", True, in_optim)
 
@@ -98,8 +107,8 @@ class OpWatch:
     risks: dict[tuple[str, str], str] = field(default_factory=dict)  # (where, what) -> evidence
     autocast: set[torch.dtype] = field(default_factory=set)  # autocast dtypes seen
 
-    def note_sync(self, what: str) -> None:
-        site = user_site()
+    def note_sync(self, what: str, site: Site | None = None) -> None:
+        site = site or user_site()
         if site.in_optimizer:
             return  # the optimizer's own CPU step counter: no sync on an accelerator either
         key = (site.where, what)
@@ -221,6 +230,8 @@ def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
     for name, what in _METHODS.items():
         saved[name] = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, _noting(saved[name], watch, what))
+    saved["to"] = torch.Tensor.to
+    torch.Tensor.to = _noting_host_copies(saved["to"], watch)  # type: ignore[method-assign]
     try:
         with _Mode(watch, numerics):
             yield watch
@@ -232,6 +243,21 @@ def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
 def _noting(method: Callable[..., Any], watch: OpWatch, what: str) -> Callable[..., Any]:
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         watch.note_sync(what)
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _noting_host_copies(method: Callable[..., Any], watch: OpWatch) -> Callable[..., Any]:
+    """`.to` that notes a copy to the host: from an accelerator always; on a CPU where the
+    line names the host (it syncs once the step runs on an accelerator)."""
+
+    def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        target = to_target_device(args, kwargs)
+        if target is not None and target.type == "cpu":
+            site = user_site()
+            if self.device.type != "cpu" or site.names_host:
+                watch.note_sync(TO_HOST, site)
         return method(self, *args, **kwargs)
 
     return wrapper
