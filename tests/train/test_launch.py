@@ -56,6 +56,21 @@ def test_a_bad_command_is_one_line_before_any_worker_starts(no_launch, capsys, a
     assert list(no_launch.iterdir()) == []
 
 
+def test_a_command_that_meets_another_run_in_runs_default_is_refused_before_spawning(
+    no_launch, capsys
+) -> None:
+    assert main(["train", *SMOKE, "--steps", "2"]) == 0  # runs/default: a one-process run
+    before = sorted(p.name for p in (no_launch / "runs").iterdir())
+    capsys.readouterr()
+    argv = ["train", *SMOKE, "--steps", "2", "--nproc-per-node", "2", "--parallel.mode", "ddp"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("isotrain train: error: runs/default holds another run (") and (
+        "pass --out-dir runs/smoke-ddp (or any new directory)" in err
+    ), err
+    assert sorted(p.name for p in (no_launch / "runs").iterdir()) == before
+
+
 def test_the_flag_is_taken_out_of_the_workers_command_and_refused_inside_torchrun(
     monkeypatch,
 ) -> None:
