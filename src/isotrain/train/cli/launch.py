@@ -64,11 +64,11 @@ def _threads(nproc: int) -> str:
     if "OMP_NUM_THREADS" in os.environ:
         return os.environ["OMP_NUM_THREADS"]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (cores or 1) // nproc))
-    return os.environ["OMP_NUM_THREADS"]
+    return str(max(1, (cores or 1) // nproc))
 
 
 def _quiet_torchrun() -> None:
+    """Only CRITICAL lines from torchrun's loggers (each sets its own level when created)."""
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(_QUIET):
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -100,7 +100,12 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
         f"on this machine, {threads} thread{'s' if threads != '1' else ''} each "
         "(OMP_NUM_THREADS)\n"
     )
-    os.environ[LAUNCHER] = str(Path(sys.argv[0]).absolute()) if sys.argv else "isotrain"
+    workers_env = {
+        LAUNCHER: str(Path(sys.argv[0]).absolute()) if sys.argv else "isotrain",
+        "OMP_NUM_THREADS": threads,
+    }
+    saved = {k: os.environ.get(k) for k in workers_env}
+    os.environ.update(workers_env)  # the workers inherit this process's environment
     args = torchrun.parse_args(["--standalone", FLAG, str(nproc), "-m", "isotrain", "train", *argv])
     _quiet_torchrun()
     try:
@@ -112,5 +117,9 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     except SignalException as e:
         return 128 + int(e.sigval)
     finally:
-        del os.environ[LAUNCHER]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
