@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = _missing_extra(e)
         if message is None:
             raise
-        sys.stderr.write(f"isotrain {argv[0]}: error: {message}\n")
+        _say(f"isotrain {argv[0]}: error: {message}", everywhere=False)  # alike on every rank
         return 2
     except KeyboardInterrupt as e:  # before training started, or a second signal (StopNow)
         signum = getattr(e, "signum", signal.SIGINT)
