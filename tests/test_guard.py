@@ -518,5 +518,8 @@ def test_the_host_outcome_loss_is_the_device_modes_float32_value(loss, dtype):
         "applied", "reason", "grad_norm", "loss", "loss_scale"
     ]  # fmt: skip
     assert bool(outcome.applied) == (abs(loss) < 1e38)  # beyond float32: inf, skipped
+    for other in (copy.deepcopy(outcome), dataclasses.replace(outcome, reason=outcome.reason)):
+        assert torch.equal(other.reason, outcome.reason) and other.loss.dtype == torch.float32
+        assert torch.equal(other.loss.view(torch.int32), outcome.loss.view(torch.int32))
     for read in (outcome.to_dict()["loss"], guard.summary()["last_loss"]):
         assert read == float(want) or math.isnan(float(want))  # the float32 value, 1e39: inf

@@ -66,15 +66,18 @@ class HostOutcome(StepOutcome):
         applied: torch.Tensor,
         reason: torch.Tensor,
         grad_norm: torch.Tensor,
-        loss: float,
+        loss: float | torch.Tensor,
         loss_scale: torch.Tensor,
-        device: torch.device,
+        device: torch.device | None = None,
     ) -> None:
         d = self.__dict__  # frozen: set once, here, without one call per field
         d["applied"], d["reason"], d["grad_norm"], d["loss_scale"] = (
             applied, reason, grad_norm, loss_scale
         )  # fmt: skip
-        d["_loss_value"], d["_device"] = loss, device
+        if isinstance(loss, torch.Tensor):  # dataclasses.replace passes the tensor it read
+            d["_loss"] = loss
+        else:
+            d["_loss_value"], d["_device"] = loss, device or grad_norm.device
 
     @property  # a read-only field, made on first read
     def loss(self) -> torch.Tensor:
