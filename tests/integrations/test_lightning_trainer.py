@@ -128,31 +128,30 @@ def test_without_a_nan_the_guarded_run_equals_the_plain_one_bitwise() -> None:
     assert guarded.lrs == plain.lrs
 
 
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16-scaler"])
 def test_resume_from_a_checkpoint_after_the_skip_equals_the_uninterrupted_run(
-    tmp_path: Path,
+    tmp_path: Path, fp16: bool
 ) -> None:
     # Lightning restarts a plain DataLoader when it resumes (its first epoch after the
     # checkpoint replays batches): with every batch the same, the order cannot matter.
     every_epoch = pl.callbacks.ModelCheckpoint(
         dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
     )
-    whole, rec = _fit(guarded=True, extra=(every_epoch,), same=True)
+    kw = _fp16 if fp16 else dict
+    whole, rec = _fit(guarded=True, extra=(every_epoch,), same=True, **kw())
     cut = tmp_path / f"epoch=0-step={STEPS_PER_EPOCH}.ckpt"
-    resumed, again = _fit(guarded=True, ckpt=str(cut), same=True)
+    resumed, again = _fit(guarded=True, ckpt=str(cut), same=True, **kw())
     a, b = (t.optimizers[0].guard.state_dict() for t in (resumed, whole))
     assert a["steps"] == b["steps"] == 2 * STEPS_PER_EPOCH
-    assert torch.equal(a["by_reason"], b["by_reason"]) and a["by_reason"].tolist() == [
-        7,
-        0,
-        1,
-        0,
-        0,
-        0,
-    ]
+    skip = [0, 0, 0, 0, 1] if fp16 else [0, 1, 0, 0, 0]  # SCALER_OVERFLOW, or NONFINITE_GRAD
+    assert torch.equal(a["by_reason"], b["by_reason"]) and a["by_reason"].tolist() == [7, *skip]
     assert torch.equal(a["spikes"]["values"], b["spikes"]["values"])
     last = 2 * STEPS_PER_EPOCH
     assert _same(again.snaps[last], rec.snaps[last]) and again.lrs[last] == rec.lrs[last]
     assert again.logged[last] == rec.logged[last] == (1, 0)
+    if fp16:  # the backed-off scale came back from the checkpoint
+        scales = [t.precision_plugin.scaler.get_scale() for t in (resumed, whole)]
+        assert scales == [2.0**9, 2.0**9]
 
 
 def test_validation_during_training_leaves_the_run_bitwise_the_same() -> None:
@@ -181,14 +180,44 @@ def _bare(**kw: Any) -> Any:
                       enable_checkpointing=False, **kw)  # fmt: skip
 
 
-def test_a_clip_norm_that_disagrees_and_a_grad_scaler_are_refused_with_the_reason() -> None:
+def test_a_clip_norm_that_disagrees_and_a_scaler_of_its_own_are_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match=r"gradient_clip_val=1.0\) and GuardCallback\(max_norm"):
         _bare(gradient_clip_val=1.0, callbacks=[GuardCallback(max_norm=0.5)]).fit(
             _Module(), _loader()
         )
-    scaled = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))
-    with pytest.raises(ValueError, match=r"does not support a GradScaler \(precision='16-mixed'\)"):
-        _bare(plugins=[scaled], callbacks=[GuardCallback()]).fit(_Module(), _loader())
+    with pytest.raises(ValueError, match=r"takes no scaler: with precision='16-mixed' it uses"):
+        GuardCallback(scaler=torch.amp.GradScaler("cpu"))
+
+
+def _fp16() -> dict[str, Any]:
+    """precision='16-mixed' with a GradScaler, as on a GPU (Lightning makes none on a CPU)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    return {"plugins": [pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler)]}
+
+
+def test_with_a_grad_scaler_an_overflow_is_the_guards_skip_and_the_scale_backs_off_once() -> None:
+    trainer, rec = _fit(guarded=True, **_fp16())
+    assert _same(rec.snaps[K], rec.snaps[K - 1])  # params, exp_avg, exp_avg_sq and step
+    assert not _same(rec.snaps[K + 1], rec.snaps[K]) and _finite(trainer)
+    assert rec.lrs[K] == rec.lrs[K - 1] and rec.lrs[K + 1] != rec.lrs[K]  # the LR held
+    assert rec.logged[K] == (1, 5) and rec.logged[K - 1] == (0, 0)  # 5: SCALER_OVERFLOW
+    guard = trainer.optimizers[0].guard
+    assert guard.summary()["skipped_by_reason"]["SCALER_OVERFLOW"] == 1
+    assert guard.summary()["loss_scale"] == 2.0**9  # what the steps after the skip used
+    scaler = trainer.precision_plugin.scaler
+    assert type(scaler) is torch.amp.GradScaler and scaler.get_scale() == 2.0**9  # once
+    assert guard.summary()["last_loss"] > 0  # the loss reached the guard: each micro-batch's
+
+    _, plain_rec = _fit(guarded=False, **_fp16())  # the scaler skips, but the LR moves on
+    assert plain_rec.lrs[K] != plain_rec.lrs[K - 1]
+
+
+def test_with_a_grad_scaler_and_no_overflow_the_guarded_run_equals_the_plain_one_bitwise() -> None:
+    _, guarded = _fit(guarded=True, nan_at=None, **_fp16())
+    _, plain = _fit(guarded=False, nan_at=None, **_fp16())
+    assert guarded.snaps.keys() == plain.snaps.keys()
+    assert all(_same(guarded.snaps[s], plain.snaps[s]) for s in plain.snaps)
+    assert guarded.lrs == plain.lrs
 
 
 class _Manual(_Module):

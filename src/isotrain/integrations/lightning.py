@@ -3,7 +3,8 @@
 Under automatic optimization every optimizer step becomes a ``GuardedOptimizer`` step: a NaN/Inf
 loss or gradient or a spike leaves weights, moments and the LR schedule as they were, and
 ``skipped_steps`` / ``skip_reason`` are logged. Validation runs under ``eval_mode`` +
-``rng_isolated``. NOTE [how GuardCallback hooks in] says where and why.
+``rng_isolated``. With ``precision="16-mixed"`` the guard drives the Trainer's GradScaler.
+NOTE [how GuardCallback hooks in] and NOTE [the guard owns the scaler] say where and why.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from isotrain._torch_private import scaler_pending
 from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
@@ -33,6 +37,40 @@ __all__ = ["GuardCallback"]
 # every Lightning checkpoint. The validation loop's `run` is wrapped in eval_mode + rng_isolated
 # (the whole run: its DataLoader iterator draws a seed from the global RNG before any hook).
 # `teardown` undoes the clip take-over and the validation wrapper.
+
+
+# NOTE [the guard owns the scaler]
+# With precision='16-mixed' Lightning scales the loss, unscales, calls `scaler.step(optimizer)`
+# (which skips the step itself on an overflow, unseen by the guard) and `scaler.update()`. The
+# callback puts a view of the scaler in the precision plugin: `unscale_` unscales the torch
+# optimizer inside the GuardedOptimizer (so the guard finds the gradients unscaled, and
+# `on_before_optimizer_step` hooks see true values, as without the guard); `step` always calls
+# the GuardedOptimizer, which decides (an overflow is a SCALER_OVERFLOW skip it counts), clips,
+# steps or skips and updates the scale once; `update` then has nothing left to do. Everything
+# else (scale, state_dict for checkpoints) is the real scaler's.
+
+
+class _GuardOwnsScaler:
+    """The Trainer's GradScaler as the guard drives it (NOTE [the guard owns the scaler])."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+
+    def unscale_(self, optimizer: Any) -> None:
+        inner = optimizer.optimizer if isinstance(optimizer, GuardedOptimizer) else optimizer
+        self.scaler.unscale_(inner)
+
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(optimizer, GuardedOptimizer):
+            return self.scaler.step(optimizer, *args, **kwargs)
+        return optimizer.step(*args, **kwargs)
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if scaler_pending(self.scaler):  # the guard updates it in its step; never twice
+            self.scaler.update(new_scale)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scaler, name)
 
 
 def _guards(trainer: pl.Trainer) -> list[GuardedOptimizer]:
@@ -58,27 +96,26 @@ class GuardCallback(pl.Callback):
         self, *, max_norm: float | None = None, isolate_eval: bool = True, **guard_options: Any
     ) -> None:
         if "scaler" in guard_options:
-            raise ValueError("GuardCallback takes no scaler: 16-mixed precision is not supported")
+            raise ValueError(
+                "GuardCallback takes no scaler: with precision='16-mixed' it uses the Trainer's"
+            )
         self.max_norm, self.isolate_eval, self.guard_options = max_norm, isolate_eval, guard_options
         self._undo: list[Callable[[], None]] = []
         self._steps = self._skipped = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap optimizers and schedulers, take over clipping, isolate validation."""
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            raise ValueError(
-                "GuardCallback does not support a GradScaler (precision='16-mixed'): Lightning "
-                "steps the scaler itself around the optimizer; use precision='bf16-mixed'"
-            )
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "GuardCallback guards automatic optimization; with manual optimization wrap "
                 "your optimizer in isotrain.guard.GuardedOptimizer yourself"
             )
         max_norm = self._take_clipping(trainer)
+        scaler = self._take_scaler(trainer)
+        options = {**self.guard_options, **({"scaler": scaler} if scaler is not None else {})}
         wrapped = {
             id(o): o if isinstance(o, GuardedOptimizer) else
-            GuardedOptimizer(o, pl_module, max_norm=max_norm, **self.guard_options)
+            GuardedOptimizer(o, pl_module, max_norm=max_norm, **options)
             for o in trainer.strategy.optimizers
         }  # fmt: skip
         by_inner = {id(g.optimizer): g for g in wrapped.values()}
@@ -107,6 +144,29 @@ class GuardCallback(pl.Callback):
 
         self._undo.append(restore)
         return float(clip)
+
+    def _take_scaler(self, trainer: pl.Trainer) -> torch.amp.GradScaler | None:
+        """With precision='16-mixed', hand the Trainer's GradScaler to the guard (NOTE [the
+        guard owns the scaler]); returns it, or None without one."""
+        plugin: Any = trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is None:
+            return None
+        plugin.scaler = _GuardOwnsScaler(scaler)
+
+        def restore() -> None:
+            plugin.scaler = scaler
+
+        self._undo.append(restore)
+        return scaler
+
+    def on_before_backward(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor
+    ) -> None:
+        """With a GradScaler the guard's step gets no closure: give it each micro-batch's loss."""
+        if isinstance(getattr(trainer.precision_plugin, "scaler", None), _GuardOwnsScaler):
+            for guarded in _guards(trainer):
+                guarded.observe_loss(loss)
 
     def _isolate_validation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loop = trainer.fit_loop.epoch_loop.val_loop
