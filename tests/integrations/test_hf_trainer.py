@@ -76,7 +76,7 @@ def _finite(model: Any) -> bool:
     return all(bool(p.isfinite().all()) for p in model.parameters())
 
 
-NO_SCALER = "accelerate makes no GradScaler on the CPU (fp16 there would silently be fp32)"
+NO_SCALER = "accelerate makes no GradScaler on the CPU (fp16 runs as fp32 there, and is said)"
 PRECISIONS = [
     pytest.param({}, id="fp32"),
     pytest.param({"gradient_accumulation_steps": 2}, id="accum2"),
@@ -85,6 +85,19 @@ PRECISIONS = [
         {"fp16": True}, id="fp16", marks=pytest.mark.skipif(DEVICE == "cpu", reason=NO_SCALER)
     ),
 ]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's fp16: accelerate runs it in fp32")
+def test_fp16_that_accelerate_runs_in_fp32_is_said(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning) as said:
+        trainer = GuardedTrainer(
+            model=_model(), args=_args(tmp_path, fp16=True), train_dataset=_data()
+        )
+    assert [str(w.message) for w in said if "GuardedTrainer" in str(w.message)] == [
+        "GuardedTrainer: fp16=True, but accelerate runs no fp16 autocast and no GradScaler on "
+        "cpu: this run trains in fp32 (bf16=True gives mixed precision there)"
+    ]
+    assert trainer.accelerator.scaler is None
 
 
 @pytest.mark.parametrize("kw", PRECISIONS)

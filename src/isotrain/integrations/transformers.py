@@ -8,6 +8,7 @@ hooks in] says where and why.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -83,6 +84,13 @@ class GuardedTrainer(Trainer):
                 "accelerate: leave them out of guard_options"
             )
         super().__init__(*args, **kwargs)
+        if self.args.fp16 and not getattr(self.accelerator, "native_amp", True):
+            warnings.warn(
+                f"GuardedTrainer: fp16=True, but accelerate runs no fp16 autocast and no "
+                f"GradScaler on {self.args.device.type}: this run trains in fp32 (bf16=True "
+                "gives mixed precision there)",
+                stacklevel=2,
+            )
         self.guard_options, self.isolate_eval = options, isolate_eval
         self._logged_skips = [0] * len(SkipReason)
         self.add_callback(_LogBaseline(self))
