@@ -17,7 +17,7 @@ from torch import nn
 from isotrain._shared import find_blocks
 from isotrain._torch_private import compile_metrics
 from isotrain.compile import compile_available, track_compiles
-from isotrain.doctor._context import CannotRun, Context
+from isotrain.doctor._context import CannotRun, Context, inner
 from isotrain.doctor._finding import Finding
 
 __all__ = ["check_graph_breaks", "check_recompiles"]
@@ -82,7 +82,7 @@ def _block_inputs(ctx: Context, model: nn.Module) -> list[tuple[str, nn.Module, 
 
 def check_graph_breaks(ctx: Context) -> list[Finding]:
     """graph_break: per block class, the breaks dynamo makes tracing it, with the reasons."""
-    model, _ = ctx.copies()
+    model = inner(ctx.fresh()[0])  # DDP's forward is skipped by dynamo by design
     _need_compile(model)
     out = []
     for name, block, (args, kwargs) in _block_inputs(ctx, model):
@@ -104,7 +104,7 @@ def check_graph_breaks(ctx: Context) -> list[Finding]:
 
 def check_recompiles(ctx: Context) -> list[Finding]:
     """recompile: compile the forward once, feed every batch; count what compiles again."""
-    model, _ = ctx.copies()
+    model = inner(ctx.fresh()[0])
     _need_compile(model)
     compiled = _fresh_compiled()
     with track_compiles() as stats, torch.no_grad():

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import capture_rng, restore_rng
+from isotrain._shared import buffers_restored, capture_rng, restore_rng
 from isotrain.doctor._context import CannotRun, Context
 from isotrain.doctor._finding import Finding
 
@@ -39,10 +39,11 @@ def _two_forwards(
     same RNG draws for both (so dropout masks match)."""
     x, rebuild = ctx.main_input(batch)
     if not train:
-        model.eval()  # a copy: the user's flags stay as they are
+        model.eval()  # examine puts every flag back after the check
     rng = capture_rng()
     with torch.no_grad():
-        a = ctx.outputs(model, *rebuild(x)).float()
+        with buffers_restored([model]):  # a forward that writes buffers (power iteration)
+            a = ctx.outputs(model, *rebuild(x)).float()  # starts the second one from the same
         restore_rng(rng)
         b = ctx.outputs(model, *rebuild(change(x))).float()
     return a, b
@@ -60,7 +61,7 @@ def check_batch_mixing(ctx: Context) -> list[Finding]:
     x, _ = ctx.main_input(batch)
     if x.dim() == 0 or x.shape[0] < 2:
         raise CannotRun("needs a batch of at least 2 samples along dimension 0")
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     a, b = _two_forwards(ctx, model, batch, _perturb_first, train=True)
     if a.shape[0] != x.shape[0]:
         raise CannotRun(f"the output's first dimension ({a.shape[0]}) is not the batch's")
@@ -105,7 +106,7 @@ def check_causal_leak(ctx: Context) -> list[Finding]:
         y[:, t] = torch.where(ids[:, t] == hi, lo, hi)
         return y
 
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     a, b = _two_forwards(ctx, model, batch, change, train=False)
     if a.dim() < 2 or a.shape[1] != x.shape[1]:
         raise CannotRun(f"the logits' shape {tuple(a.shape)} has no time axis like the input's")

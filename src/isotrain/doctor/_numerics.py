@@ -61,7 +61,7 @@ def _first_nonfinite(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
 
 def check_nonfinite(ctx: Context) -> list[Finding]:
     """nonfinite_forward: the first module (or, outside modules, op) that makes a NaN/Inf."""
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     args, kwargs = ctx.split(ctx.batches[0])
     with _first_nonfinite(model) as found, torch.no_grad():
         model(*args, **kwargs)
@@ -90,12 +90,12 @@ def check_nondeterminism(ctx: Context) -> list[Finding]:
     probe_ok(ctx)
     results = []
     for _ in range(2):
-        model, opt = ctx.copies()
+        model, opt = ctx.fresh()
         loss = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
-        results.append((model, None if loss is None else loss.detach().clone()))
+        values = {n: p.detach().clone() for n, p in params_of(model).items()}
+        results.append((values, None if loss is None else loss.detach().clone()))
     (a, la), (b, lb) = results
-    pb = params_of(b)
-    differ = [n for n, p in params_of(a).items() if not torch.equal(p.detach(), pb[n].detach())]
+    differ = [n for n, p in a.items() if not torch.equal(p, b[n])]
     loss_differs = la is not None and lb is not None and not torch.equal(la, lb)
     if not differ and not loss_differs:
         return []

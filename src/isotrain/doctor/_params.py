@@ -8,6 +8,7 @@ steps on one repeated batch say whether the loss can fall at all.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,9 +26,9 @@ def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-def _held(opt: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:
-    """(group index, tensor) of every parameter the optimizer holds, duplicates included."""
-    return [(i, p) for i, g in enumerate(opt.param_groups) for p in g["params"]]
+def _held(ctx: Context) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """(group, tensor) of every parameter the optimizers hold, duplicates included."""
+    return [(g, p) for opt in ctx.optimizers for g in opt.param_groups for p in g["params"]]
 
 
 def check_optimizer(ctx: Context) -> list[Finding]:
@@ -35,7 +36,7 @@ def check_optimizer(ctx: Context) -> list[Finding]:
     weight_decay_on_norm_or_bias: the model's parameters against the optimizer's groups."""
     params = params_of(ctx.model)
     name_of = {id(p): n for n, p in params.items()}
-    held = _held(ctx.optimizer)
+    held = _held(ctx)
     ids = [id(p) for _, p in held]
     out = []
     missing = [n for n, p in params.items() if p.requires_grad and id(p) not in set(ids)]
@@ -63,9 +64,7 @@ def check_optimizer(ctx: Context) -> list[Finding]:
             "give each tensor to one group only (tied weights: list the shared tensor once)",
         ))  # fmt: skip
     decayed = [
-        name_of.get(id(p), "?")
-        for i, p in held
-        if p.ndim < 2 and ctx.optimizer.param_groups[i].get("weight_decay", 0) > 0
+        name_of.get(id(p), "?") for g, p in held if p.ndim < 2 and g.get("weight_decay", 0) > 0
     ]
     if decayed:
         out.append(Finding(
@@ -80,7 +79,7 @@ def check_learning(ctx: Context) -> list[Finding]:
     """unused_parameter and params_unchanged, from the probe step."""
     p = probe_ok(ctx)
     params = params_of(ctx.model)
-    held = {id(t) for _, t in _held(ctx.optimizer)}
+    held = {id(t) for _, t in _held(ctx)}
     out = []
     unused = [n for n, t in params.items() if t.requires_grad and n not in p.got_grad]
     if unused:
@@ -110,7 +109,7 @@ def check_learning(ctx: Context) -> list[Finding]:
 def check_overfit(ctx: Context) -> list[Finding]:
     """cannot_overfit: a few dozen steps on one repeated batch must lower its loss."""
     probe_ok(ctx)
-    model, opt = ctx.copies()
+    model, opt = ctx.fresh()
     losses = []
     for _ in range(OVERFIT_STEPS):
         value = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
@@ -143,7 +142,7 @@ def check_loss_at_init(ctx: Context) -> list[Finding]:
     p = probe_ok(ctx)
     if p.loss is None:
         raise CannotRun("the step returns no loss tensor")
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     n = _classes(ctx, model)
     expected = math.log(n)
     if not math.isfinite(p.loss) or abs(p.loss - expected) > max(0.5, 0.25 * expected):

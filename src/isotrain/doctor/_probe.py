@@ -1,4 +1,4 @@
-"""The probe: one watched step of the user's own step function on a copy, from their state.
+"""The probe: one watched step of the user's own step function, from the state examine found.
 
 host_sync, unused_parameter, params_unchanged, loss_at_init, overflow_risk and the step's
 own leaks all read the same probe, so the step runs once for all of them.
@@ -21,7 +21,7 @@ def probe(ctx: Context) -> Probe:
     """The watched step (cached on `ctx`): loss, params reached by a gradient, params changed."""
     if "probe" in ctx.cache:
         return ctx.cache["probe"]
-    model, opt = ctx.copies()
+    model, opt = ctx.fresh()
     params = params_of(model)
     got_grad: set[str] = set()
     handles = []
