@@ -4,10 +4,12 @@ examine leaves the caller's objects (model, optimizers, schedulers, RNG, flags) 
 from __future__ import annotations
 
 import hashlib
+import inspect
 from typing import Any
 
+import pytest
 import torch
-from tests.doctor import zoo
+from tests.doctor import correct, zoo
 
 from isotrain.contexts import StateAudit
 from isotrain.doctor import Diagnosis, examine
@@ -78,3 +80,50 @@ def test_examine_restores_what_a_check_changed_even_on_a_copy_proof_model() -> N
     zoo.good_step(setup["model"], setup["optimizer"], setup["batches"][0])
     setup["model"].pending = (i for i in range(3))  # copy.deepcopy of the model raises
     no_alarm(examined_untouched(setup, checks="all"))
+
+
+@pytest.mark.parametrize("name", sorted(correct.SETUPS))
+def test_a_correct_unusual_setup_gets_no_error_and_no_warning(name: str) -> None:
+    setup = correct.SETUPS[name]()
+    d = examined_untouched(setup, checks="fast" if name == "t5" else "all")
+    no_alarm(d)
+    assert not d.of("doctor_error"), d
+    if name in EXPECTED:
+        kind, where, evidence = EXPECTED[name]
+        (f,) = d.of(kind)
+        assert f.severity == "info" and where in f.where, d
+        assert evidence in f.evidence + " " + f.fix
+
+
+EXPECTED = {  # name -> (kind, where, words of its evidence or fix): what the info says
+    "bias_before_batchnorm": ("params_unchanged", "0.bias", "feed a batch-statistics norm (1)"),
+    "gan": ("cannot_overfit", "overfit", "not checked: several optimizers"),
+    "gru_compiled": ("graph_break", "<model> (GRUClassifier)", "allow_rnn=True"),
+    "t5": ("overflow_risk", "modeling_t5.py:", "(inside an installed library, not your code)"),
+}
+
+
+def test_lora_zero_init_is_followed_over_steps_not_reported() -> None:
+    d = examine(**correct.lora(), checks=["params_unchanged", "unused_parameter"])
+    assert d.findings == [], d
+
+
+def test_a_graph_network_mixing_rows_is_information_and_a_declaration_silences_the_guess() -> None:
+    (f,) = examine(**correct.gnn(), checks=["batch_mixing"]).findings
+    assert f.severity == "info" and "x[idx] (integer indexing) over dim 0" in f.evidence
+    assert f.where == correct_line("self.msg(x)[src]")
+    (g,) = examine(**correct.gnn(samples_interact=True), checks=["batch_mixing"]).findings
+    assert g.severity == "info" and g.evidence.endswith("as declared: samples_interact=True")
+
+
+def test_a_sync_inside_the_models_forward_is_information_with_its_line() -> None:
+    found = examine(**correct.moe(), checks=["host_sync"]).of("host_sync")
+    assert {f.severity for f in found} == {"info"}
+    assert correct_line("int(torch.ceil(") in {f.where for f in found}
+    assert all("inside the model's forward" in f.evidence for f in found)
+
+
+def correct_line(text: str) -> str:
+    """`tests/doctor/correct.py:N` of the first line holding `text`."""
+    lines = inspect.getsource(correct).splitlines()
+    return f"tests/doctor/correct.py:{1 + next(i for i, s in enumerate(lines) if text in s)}"

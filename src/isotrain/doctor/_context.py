@@ -21,16 +21,20 @@ from isotrain._torch_private import tree_leaves
 from isotrain.doctor._snapshot import Snapshot
 
 __all__ = [
-    "CannotRun", "Context", "Probe", "StepFn", "as_loss", "first_tensor", "inner", "params_of",
+    "BATCH_NORMS", "STAT_NORMS", "CannotRun", "Context", "Probe", "StepFn",
+    "as_loss", "first_tensor", "inner", "params_of",
 ]  # fmt: skip
 
 StepFn = Callable[[nn.Module, Any, Any], Any]  # (model, optimizer(s), batch) -> loss
 _LABELS = ("labels", "label", "targets", "target", "y")
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# norms that subtract each channel's own mean: a per-channel bias before them cancels out
+STAT_NORMS = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 @dataclass
 class Probe:
-    """One watched step from the user's state on a copy (shared by several checks)."""
+    """One watched step from the user's state (shared by several checks)."""
 
     loss: float | None
     got_grad: set[str]  # names of parameters a gradient reached
@@ -38,6 +42,9 @@ class Probe:
     watch: Any  # the OpWatch of the step
     error: str | None = None
     step_leaks: list[str] = field(default_factory=list)  # StateAudit differences, buffers aside
+    zero_grad: set[str] = field(default_factory=set)  # every gradient exactly zero in backward
+    lost_grad: set[str] = field(default_factory=set)  # nonzero in backward, gone at the update
+    finite: bool = True  # the loss and every gradient at the update were finite
 
 
 class CannotRun(Exception):
@@ -57,6 +64,9 @@ class Context:
     task: str | None
     uses_default_step: bool
     rng: dict[str, Any] = field(default_factory=dict)
+    samples_interact: bool = False  # the user's declaration: dim 0 is not independent samples
+    loss_falls: bool | None = None  # the user's declaration: None = judge by the setup
+    asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
     cache: dict[str, Any] = field(default_factory=dict)
     snapshot: Snapshot = field(init=False)
 

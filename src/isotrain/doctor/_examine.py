@@ -8,6 +8,7 @@ finding of its kind.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -19,18 +20,14 @@ import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng
-from isotrain.doctor._compile import check_graph_breaks, check_recompiles
+from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
+from isotrain.doctor._fit import check_loss_at_init, check_overfit
 from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
-from isotrain.doctor._params import (
-    check_learning,
-    check_loss_at_init,
-    check_optimizer,
-    check_overfit,
-)
+from isotrain.doctor._params import check_learning, check_optimizer
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
 
@@ -38,16 +35,20 @@ __all__ = ["CHECKS", "examine"]
 
 log = logging.getLogger(__name__)
 MAX_BATCHES = 8
+_TASKS = (None, "lm", "classification", "gan")
 
 
 @dataclass(frozen=True)
 class Check:
-    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast"."""
+    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast";
+    `traces=True` ones trace with torch.compile, every other runs the user's compiled code
+    eagerly (hooks and op watches see every op, and no compile happens)."""
 
     name: str
     kinds: tuple[str, ...]
     run: Callable[[Context], list[Finding]]
     fast: bool = True
+    traces: bool = False
 
 
 CHECKS: tuple[Check, ...] = (
@@ -83,8 +84,8 @@ CHECKS: tuple[Check, ...] = (
     Check("nonfinite", ("nonfinite_forward",), check_nonfinite),
     Check("overflow", ("overflow_risk",), check_overflow),
     Check("nondeterminism", ("nondeterminism",), check_nondeterminism),
-    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False),
-    Check("recompile", ("recompile",), check_recompiles, fast=False),
+    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
+    Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
     Check("memory", ("memory",), check_memory),
 )
 
@@ -139,9 +140,11 @@ def _batches(batches: Iterable[Any]) -> list[Any]:
 def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
     """One family: its findings, or an info per kind if it cannot run, or a doctor_error."""
     started = time.perf_counter()
+    eager = not check.traces and user_compiles(ctx)
     try:
         ctx.reset()
-        return check.run(ctx)
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
+            return check.run(ctx)
     except CannotRun as e:
         return [
             Finding(k, "info", check.name, f"not checked: {e}", "-")
@@ -185,6 +188,8 @@ def examine(
     eval_fn: Callable[[nn.Module, Any], Any] | None = None,
     checks: str | Sequence[str] = "all",
     task: str | None = None,
+    samples_interact: bool = False,
+    loss_falls: bool | None = None,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
 
@@ -194,6 +199,11 @@ def examine(
     `step(model, optimizer, batch) -> loss` is your own training step; without it
     `loss_fn(model, batch) -> loss` drives a plain one.
 
+    Declarations for setups that are right but unusual: `samples_interact=True` when the
+    samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
+    =False` when the loss is not meant to fall (adversarial; the default judges it unless
+    there are several optimizers or task="gan").
+
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
     if not isinstance(model, nn.Module):
@@ -201,14 +211,16 @@ def examine(
     optimizers = _optimizers(optimizer)
     if step is None and loss_fn is None:
         raise ValueError("pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch)")
-    if task not in (None, "lm", "classification"):
-        raise ValueError(f'task must be "lm", "classification" or None, got {task!r}')
+    if task not in _TASKS:
+        raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
     ctx = Context(
         model, optimizer, optimizers, _batches(batches),
         step or _plain_step(loss_fn), eval_fn, task, step is None, rng,  # type: ignore[arg-type]
+        samples_interact=samples_interact, loss_falls=loss_falls,
+        asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
     found: list[Finding] = []
     try:

@@ -16,7 +16,7 @@ from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng, rng_differences
 from isotrain.contexts import StateAudit
-from isotrain.doctor._context import CannotRun, Context, params_of
+from isotrain.doctor._context import BATCH_NORMS, CannotRun, Context, params_of
 from isotrain.doctor._finding import Finding, Severity
 from isotrain.doctor._probe import probe_ok
 from isotrain.doctor._snapshot import Snapshot
@@ -41,7 +41,6 @@ _FIX = {
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _kind_of(difference: str) -> str:
@@ -107,7 +106,7 @@ def _mode_spy(model: nn.Module) -> Iterator[dict[str, str]]:
     for name, m in model.named_modules():
         if isinstance(m, _DROPOUT) and m.p > 0:
             what = f"dropout p={m.p} active"
-        elif isinstance(m, _BATCHNORM) and m.track_running_stats:
+        elif isinstance(m, BATCH_NORMS) and m.track_running_stats:
             what = "BatchNorm updating its running statistics"
         else:
             continue
