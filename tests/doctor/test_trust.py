@@ -127,3 +127,27 @@ def correct_line(text: str) -> str:
     """`tests/doctor/correct.py:N` of the first line holding `text`."""
     lines = inspect.getsource(correct).splitlines()
     return f"tests/doctor/correct.py:{1 + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+def test_compile_findings_are_warnings_only_where_the_setup_compiles() -> None:
+    def branchy() -> dict[str, Any]:
+        model = zoo.seeded(lambda: zoo.BranchyNet(bug=True))
+        return zoo.mlp_setup(model=model, optimizer=zoo.adamw(model))
+
+    never = examine(**branchy(), checks="all").of("graph_break")
+    assert [f.severity for f in never] == ["info"]
+    assert never[0].evidence.endswith("(your setup does not compile: this matters once it does)")
+    assert never[0].fix.startswith("replace the Python `if` on a tensor with torch.where")
+    asked = examine(**branchy(), checks=["graph_break"]).of("graph_break")
+    compiled = branchy()
+    compiled["model"].blocks[0].compile(backend="eager")
+    assert [f.severity for f in asked] == ["warning"]
+    assert [f.severity for f in examine(**compiled, checks="all").of("graph_break")] == ["warning"]
+
+
+def test_an_lstm_in_a_script_that_never_compiles_is_information_naming_allow_rnn() -> None:
+    model = zoo.seeded(correct.GRUClassifier)
+    model.gru = torch.nn.LSTM(8, 16, batch_first=True)
+    setup = {**correct.gru_compiled(), "model": model, "optimizer": zoo.adamw(model)}
+    (f,) = examine(**setup, checks="all").of("graph_break")
+    assert f.severity == "info" and "allow_rnn=True" in f.fix and ".item()" not in f.fix
