@@ -3,14 +3,32 @@ models given dict batches without a loss_fn, and a DataLoader as the batches."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
 import torch
-from tests.doctor import zoo
+from tests.doctor import zoo, zoo_reports
 from torch.utils.data import DataLoader, TensorDataset
 
 from isotrain.doctor import examine
+
+
+def _line(fn: Any, text: str) -> str:
+    """`zoo_reports.py:N` of the first line of `fn` containing `text`."""
+    lines, start = inspect.getsourcelines(fn)
+    return f"zoo_reports.py:{start + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+@pytest.mark.parametrize(
+    ("kind", "setup", "fn", "text"),
+    [
+        ("loss_broadcast", zoo_reports.setup_broadcast, zoo_reports.mse_unsqueezed, "mse_loss"),
+    ],
+)  # fmt: skip
+def test_a_finding_points_at_the_users_line(kind: str, setup: Any, fn: Any, text: str) -> None:
+    (f,) = examine(**setup(False), checks=[kind]).of(kind)
+    assert f.where.endswith(_line(fn, text)), f
 
 
 def _gpt2() -> Any:
@@ -28,6 +46,39 @@ def _padded(pad: int, *, masked: bool) -> list[dict[str, torch.Tensor]]:
         labels = ids.masked_fill(mask == 0, -100) if masked else ids.clone()
         out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
+
+
+def test_hugging_face_dict_batches_need_no_loss_fn_and_their_padding_is_checked() -> None:
+    model = _gpt2()
+    kinds = ["labels_not_shifted", "padding_in_loss"]
+    good = examine(model, zoo.adamw(model), _padded(0, masked=True), task="lm", checks=kinds)
+    assert not [f for f in good.findings if f.severity != "info"], good
+    bad = examine(model, zoo.adamw(model), _padded(0, masked=False), task="lm", checks=kinds)
+    (f,) = bad.findings
+    assert (f.kind, f.severity) == ("padding_in_loss", "error")
+    assert f.evidence.startswith("18 of the 18 positions where attention_mask is 0 have labels 0")
+
+
+def test_an_mbart_causal_lm_given_labels_equal_to_its_inputs_learns_to_copy() -> None:
+    """https://github.com/huggingface/transformers/issues/27517: MBartForCausalLM does not shift
+    labels (GPT-2 and Llama do), so the tutorial's labels = input_ids train it to copy."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MBartConfig(vocab_size=32, d_model=16, decoder_layers=1,
+                                   decoder_attention_heads=2, decoder_ffn_dim=32,
+                                   max_position_embeddings=32)  # fmt: skip
+    model = zoo.seeded(lambda: transformers.MBartForCausalLM(cfg))
+    ids = [
+        torch.randint(3, 32, (4, 16), generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    ]
+    batches = [{"input_ids": x, "labels": x} for x in ids]
+    (f,) = examine(
+        model, zoo.adamw(model), batches, task="lm", checks=["labels_not_shifted"]
+    ).findings
+    assert f.severity == "error" and "modeling_mbart.py" in f.where
+    assert "100% of its 64 targets equal the input token at the same position" in f.evidence
+    gpt2 = _gpt2()  # shifts inside: the same batches are right for it
+    ok = examine(gpt2, zoo.adamw(gpt2), batches, task="lm", checks=["labels_not_shifted"])
+    assert ok.findings == []
 
 
 def test_dict_batches_of_a_model_that_returns_its_loss_need_no_loss_fn() -> None:

@@ -24,6 +24,7 @@ from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
 from isotrain.doctor._fit import check_loss_at_init, check_overfit
+from isotrain.doctor._loss import check_labels, check_loss_broadcast, check_padding, check_softmax
 from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
@@ -49,6 +50,30 @@ class Check:
     run: Callable[[Context], list[Finding]]
     fast: bool = True
     traces: bool = False
+
+
+# the kinds read from one trace of the user's step (_trace), each with its own check
+_TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
+    ("labels_not_shifted", check_labels),
+    ("padding_in_loss", check_padding),
+    ("loss_broadcast", check_loss_broadcast),
+    ("softmax_before_loss", check_softmax),
+)
+
+
+def _each(parts: Sequence[tuple[str, Callable[[Context], list[Finding]]]], ctx: Context) -> Any:
+    """Several kinds' checks as one family (one reset around them all); a check that cannot
+    run says so as an info finding of its own kind, one that raises as a doctor_error."""
+    out: list[Finding] = []
+    for kind, check in parts:
+        try:
+            out += check(ctx)
+        except CannotRun as e:
+            out.append(Finding(kind, "info", kind, f"not checked: {e}", "-"))
+        except Exception as e:
+            log.debug("doctor check %s raised", kind, exc_info=True)
+            out.append(_raised(kind, e))
+    return out
 
 
 CHECKS: tuple[Check, ...] = (
@@ -87,6 +112,7 @@ CHECKS: tuple[Check, ...] = (
     Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
     Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
     Check("memory", ("memory",), check_memory),
+    Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
 )
 
 
@@ -180,6 +206,16 @@ def _loss_of(
     return _model_loss
 
 
+def _raised(where: str, e: Exception) -> Finding:
+    """The doctor_error of a check that raised: its first line."""
+    first = (str(e).splitlines() or [""])[0]
+    return Finding(
+        "doctor_error", "error", where, f"{type(e).__name__}: {first}",
+        "the check could not finish on this setup; run the others with "
+        "checks=[...] and report the error if it is the doctor's",
+    )  # fmt: skip
+
+
 def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
     """One family: its findings, or an info per kind if it cannot run, or a doctor_error."""
     started = time.perf_counter()
@@ -196,12 +232,7 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
         ]
     except Exception as e:
         log.debug("doctor check %s raised", check.name, exc_info=True)
-        first = (str(e).splitlines() or [""])[0]
-        return [Finding(
-            "doctor_error", "error", check.name, f"{type(e).__name__}: {first}",
-            "the check could not finish on this setup; run the others with "
-            "checks=[...] and report the error if it is the doctor's",
-        )]  # fmt: skip
+        return [_raised(check.name, e)]
     finally:
         ctx.reset()
         log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)

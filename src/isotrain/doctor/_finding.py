@@ -40,6 +40,10 @@ KINDS: dict[str, str] = {
     "graph_break": "torch.compile splits a block's graph, with the reasons",
     "recompile": "your batches make torch.compile compile again (varying shapes)",
     "memory": "saved activation bytes per block and the checkpointing policy that halves them",
+    "labels_not_shifted": "a language model's targets equal its input tokens at the same position",
+    "padding_in_loss": "labels where the attention mask is 0 are not the loss's ignore index",
+    "loss_broadcast": "an elementwise loss's input and target differ in shape and broadcast",
+    "softmax_before_loss": "cross_entropy or nll_loss receive probabilities, not logits",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 

@@ -1,0 +1,143 @@
+"""Bugs people reported in public, each written the way the report wrote it, with its fix.
+
+Every `setup_*` function returns examine's keyword arguments; its docstring links the report.
+`CASES` lists (kind, buggy setup, fixed setup, the severity the bug earns) for test_zoo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tests.doctor.zoo import TinyLM, adamw, features, seeded
+from torch import nn
+
+V = 16  # the token LMs' vocabulary
+
+
+def _ids(rows: int, cols: int, *, low: int = 0, seed: int = 1) -> torch.Tensor:
+    return torch.randint(low, V, (rows, cols), generator=torch.Generator().manual_seed(seed))
+
+
+class TokenLM(TinyLM):
+    """The attention LM called as Hugging Face models are: model(input_ids=..., ...)."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        return super().forward(input_ids)
+
+
+def _lm(batches: list[Any], step: Any) -> dict[str, Any]:
+    model = seeded(lambda: TokenLM(vocab=V, n_layer=1))
+    return dict(model=model, optimizer=adamw(model), batches=batches, step=step, task="lm")
+
+
+# -- labels_not_shifted ---------------------------------------------------------------------
+def step_labels_as_inputs(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    opt.zero_grad()
+    logits = model(input_ids=batch["input_ids"])  # (B, T, V)
+    loss = F.cross_entropy(logits.view(-1, V), batch["labels"].view(-1))  # BUG: not shifted
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def step_labels_shifted(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    opt.zero_grad()
+    logits = model(input_ids=batch["input_ids"])  # position t predicts token t+1
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), batch["labels"][:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def setup_labels(fixed: bool) -> dict[str, Any]:
+    """https://github.com/KempnerInstitute/KempnerForge/issues/154: labels aligned with the
+    input position (labels[i] == input_ids[i]) and no shift in the loss, so "each logit is
+    scored against the current, already-visible token": the model copies, the loss goes to 0."""
+    batches = [{"input_ids": (ids := _ids(4, 16, seed=s)), "labels": ids.clone()} for s in (1, 2)]
+    return _lm(batches, step_labels_shifted if fixed else step_labels_as_inputs)
+
+
+# -- padding_in_loss ------------------------------------------------------------------------
+PAD = 0
+
+
+def _padded(fixed: bool, seed: int) -> dict[str, torch.Tensor]:
+    ids = _ids(4, 16, low=1, seed=seed)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate((16, 12, 9, 5)):
+        ids[row, length:], mask[row, length:] = PAD, 0  # right padding
+    labels = ids.clone()  # BUG: the pad positions keep the pad id, not -100
+    if fixed:
+        labels = labels.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def setup_padding(fixed: bool) -> dict[str, Any]:
+    """https://github.com/01-ai/Yi/issues/110: "the labels corresponding to pad tokens are not
+    set to ignore index", so the loss is computed on padding."""
+    return _lm([_padded(fixed, s) for s in (1, 2)], step_labels_shifted)
+
+
+# -- loss_broadcast -------------------------------------------------------------------------
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # (N, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def mse_unsqueezed(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)  # BUG: input (N, 1) against target (N,): (N, N)
+
+
+def mse_same_shape(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).squeeze(-1), y)
+
+
+def setup_broadcast(fixed: bool) -> dict[str, Any]:
+    """https://github.com/timeseriesAI/tsai/issues/22: "Using a target size (torch.Size([16]))
+    that is different to the input size (torch.Size([16, 1]))", and the model does not train
+    (also deepset-ai/FARM#229)."""
+    model = seeded(Regressor)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, generator=g)) for _ in range(2)]
+    loss_fn = mse_same_shape if fixed else mse_unsqueezed
+    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=loss_fn)
+
+
+# -- softmax_before_loss --------------------------------------------------------------------
+CRITERION = nn.CrossEntropyLoss()
+
+
+def classify(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return CRITERION(model(x), y)
+
+
+def setup_softmax(fixed: bool) -> dict[str, Any]:
+    """https://github.com/MicrosoftDocs/ml-basics/issues/48: a classifier whose last layer is
+    a softmax, trained with CrossEntropyLoss, which "expects logits instead of normalized
+    probabilities"."""
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4)]
+    if not fixed:
+        layers.append(nn.Softmax(dim=1))  # BUG: the loss applies log_softmax itself
+    model = seeded(lambda: nn.Sequential(*layers))
+    return dict(model=model, optimizer=adamw(model), batches=features(2), loss_fn=classify)
+
+
+def _pair(make: Any) -> tuple[Any, Any]:
+    return (lambda: make(False)), (lambda: make(True))
+
+
+CASES = [
+    ("labels_not_shifted", *_pair(setup_labels), "error"),
+    ("padding_in_loss", *_pair(setup_padding), "error"),
+    ("loss_broadcast", *_pair(setup_broadcast), "error"),
+    ("softmax_before_loss", *_pair(setup_softmax), "error"),
+]
