@@ -24,11 +24,30 @@ def _line(fn: Any, text: str) -> str:
     ("kind", "setup", "fn", "text"),
     [
         ("loss_broadcast", zoo_reports.setup_broadcast, zoo_reports.mse_unsqueezed, "mse_loss"),
+        ("stale_gradient", zoo_reports.setup_stale, zoo_reports.step_without_zero_grad,
+         "opt.step()"),
+        ("accumulation_scale", zoo_reports.setup_accumulation, zoo_reports.step_accumulating,
+         "loss.backward()"),
+        ("graph_retained", zoo_reports.setup_graph, zoo_reports.step_summing_losses, "+="),
     ],
 )  # fmt: skip
 def test_a_finding_points_at_the_users_line(kind: str, setup: Any, fn: Any, text: str) -> None:
     (f,) = examine(**setup(False), checks=[kind]).of(kind)
     assert f.where.endswith(_line(fn, text)), f
+
+
+def test_a_loss_divided_by_the_accumulation_steps_twice_is_found() -> None:
+    def step(model: torch.nn.Module, opt: Any, batch: Any) -> Any:
+        x, y = batch
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            loss = torch.nn.functional.cross_entropy(model(xs), ys) / 4
+            (loss / 4).backward()  # divided by the accumulation steps twice
+        opt.step()
+        return loss.detach()
+
+    (f,) = examine(**zoo.mlp_setup(step=step), checks=["accumulation_scale"]).findings
+    assert "is 0.25 x the mean gradient" in f.evidence and "divided" in f.evidence
 
 
 def _gpt2() -> Any:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tests.doctor.zoo import TinyLM, adamw, features, seeded
+from tests.doctor.zoo import TinyLM, adamw, features, good_step, mlp_setup, seeded
 from torch import nn
 
 V = 16  # the token LMs' vocabulary
@@ -131,6 +131,119 @@ def setup_softmax(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=adamw(model), batches=features(2), loss_fn=classify)
 
 
+# -- graph_retained -------------------------------------------------------------------------
+RUNNING: dict[str, Any] = {"total_loss": 0.0}
+
+
+def step_summing_losses(model: nn.Module, opt: Any, batch: Any, *, detach: bool = False) -> Any:
+    x, y = batch
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    RUNNING["total_loss"] += loss.detach() if detach else loss  # BUG: keeps the history
+    return loss.detach()
+
+
+def step_summing_detached(model: nn.Module, opt: Any, batch: Any) -> Any:
+    return step_summing_losses(model, opt, batch, detach=True)
+
+
+def setup_graph(fixed: bool) -> dict[str, Any]:
+    """https://pytorch.org/docs/stable/notes/faq.html ("Don't accumulate history across your
+    training loop"): `total_loss += loss` keeps the autograd history of every step alive."""
+    RUNNING["total_loss"] = 0.0
+    return mlp_setup(step=step_summing_detached if fixed else step_summing_losses)
+
+
+class SeqRNN(nn.Module):
+    """An RNN over a sequence whose hidden state the loop carries from batch to batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.out = nn.RNN(8, 16, batch_first=True), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, h: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h = self.rnn(x, h)
+        return self.out(y[:, -1]), h
+
+
+def step_carrying_hidden(model: nn.Module, opt: Any, batch: Any, *, detach: bool = False) -> Any:
+    x, y = batch
+    opt.zero_grad()
+    h = RUNNING.get("h")
+    if h is not None and detach:
+        h = h.detach()  # the tutorial's h_state = h_state.data
+    logits, RUNNING["h"] = model(x, h)  # BUG (no detach): the graph reaches the last batch
+    loss = F.cross_entropy(logits, y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def step_carrying_detached(model: nn.Module, opt: Any, batch: Any) -> Any:
+    return step_carrying_hidden(model, opt, batch, detach=True)
+
+
+def setup_hidden(fixed: bool) -> dict[str, Any]:
+    """https://github.com/MorvanZhou/PyTorch-Tutorial/issues/57: without `h_state =
+    h_state.data` the RNN loop raises "Trying to backward through the graph a second time"
+    (and retain_graph=True, the suggested cure, keeps every batch's graph: OOM in
+    sgadgil6/cnslab_fmri#4)."""
+    RUNNING["h"] = None
+    model = seeded(SeqRNN)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 5, 8, generator=g), torch.randint(0, 4, (4,), generator=g))
+               for _ in range(2)]  # fmt: skip
+    step = step_carrying_detached if fixed else step_carrying_hidden
+    return dict(model=model, optimizer=adamw(model), batches=batches, step=step)
+
+
+# -- stale_gradient -------------------------------------------------------------------------
+def step_without_zero_grad(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)  # BUG: optimizer.zero_grad() is missing
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def setup_stale(fixed: bool) -> dict[str, Any]:
+    """https://stackoverflow.com/questions/60335387 (TrainCheck's reproduced set): the MNIST
+    loop lost `optimizer.zero_grad()`, gradients add up across batches, and it does not
+    converge."""
+    return mlp_setup(step=good_step if fixed else step_without_zero_grad)
+
+
+# -- accumulation_scale ---------------------------------------------------------------------
+ACCUMULATE = 4
+
+
+def step_accumulating(model: nn.Module, opt: Any, batch: Any, *, divide: bool = False) -> Any:
+    x, y = batch
+    opt.zero_grad()
+    total = torch.zeros(())
+    for xs, ys in zip(x.chunk(ACCUMULATE), y.chunk(ACCUMULATE), strict=True):
+        loss = F.cross_entropy(model(xs), ys)
+        total += loss.detach() / ACCUMULATE  # the step's mean loss, for the log
+        if divide:
+            loss = loss / ACCUMULATE
+        loss.backward()  # BUG (divide=False): each micro-batch adds its full gradient
+    opt.step()
+    return total
+
+
+def step_accumulating_divided(model: nn.Module, opt: Any, batch: Any) -> Any:
+    return step_accumulating(model, opt, batch, divide=True)
+
+
+def setup_accumulation(fixed: bool) -> dict[str, Any]:
+    """https://github.com/agokrani/distillKitPlus/issues/5: with gradient accumulation "the
+    scalar loss being back-propagated is summed across all batches without adjusting for the
+    number of accumulation steps"."""
+    return mlp_setup(step=step_accumulating_divided if fixed else step_accumulating)
+
+
 def _pair(make: Any) -> tuple[Any, Any]:
     return (lambda: make(False)), (lambda: make(True))
 
@@ -140,4 +253,8 @@ CASES = [
     ("padding_in_loss", *_pair(setup_padding), "error"),
     ("loss_broadcast", *_pair(setup_broadcast), "error"),
     ("softmax_before_loss", *_pair(setup_softmax), "error"),
+    ("graph_retained", *_pair(setup_graph), "warning"),
+    ("graph_retained", *_pair(setup_hidden), "error"),
+    ("stale_gradient", *_pair(setup_stale), "error"),
+    ("accumulation_scale", *_pair(setup_accumulation), "error"),
 ]

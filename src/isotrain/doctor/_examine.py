@@ -24,6 +24,7 @@ from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
 from isotrain.doctor._fit import check_loss_at_init, check_overfit
+from isotrain.doctor._grads import check_accumulation, check_graph_retained, check_stale
 from isotrain.doctor._loss import check_labels, check_loss_broadcast, check_padding, check_softmax
 from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
@@ -58,6 +59,9 @@ _TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("padding_in_loss", check_padding),
     ("loss_broadcast", check_loss_broadcast),
     ("softmax_before_loss", check_softmax),
+    ("graph_retained", check_graph_retained),
+    ("stale_gradient", check_stale),
+    ("accumulation_scale", check_accumulation),
 )
 
 

@@ -44,6 +44,9 @@ KINDS: dict[str, str] = {
     "padding_in_loss": "labels where the attention mask is 0 are not the loss's ignore index",
     "loss_broadcast": "an elementwise loss's input and target differ in shape and broadcast",
     "softmax_before_loss": "cross_entropy or nll_loss receive probabilities, not logits",
+    "graph_retained": "tensors with their autograd graph outlive the step; the graph grows",
+    "stale_gradient": "optimizer.step() receives earlier steps' gradients too (no zero_grad)",
+    "accumulation_scale": "with k micro-batches the applied gradient is k (or 1/k) times the mean",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 
