@@ -244,6 +244,48 @@ def setup_accumulation(fixed: bool) -> dict[str, Any]:
     return mlp_setup(step=step_accumulating_divided if fixed else step_accumulating)
 
 
+# -- batch_size_mismatch --------------------------------------------------------------------
+IMAGE = 1  # the image placeholder token
+
+
+class TinyVLM(nn.Module):
+    """Token embeddings with each image's features written over its placeholder token; returns
+    its loss as a Hugging Face model does (a dict with "loss")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.vision = nn.Embedding(V, 16), nn.Linear(3 * 4 * 4, 16)
+        self.head = nn.Linear(16, V)
+
+    def forward(self, input_ids: Any, pixel_values: Any, attention_mask: Any, labels: Any) -> Any:
+        x = self.wte(input_ids)
+        images = self.vision(pixel_values.flatten(1))  # (images, 16)
+        is_image = input_ids == IMAGE
+        order = is_image.flatten().cumsum(0).view_as(input_ids) - 1  # which image goes there
+        x = torch.where(is_image[..., None], images[order.clamp(min=0)], x)
+        logits = self.head(x)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, V), labels[:, 1:].reshape(-1))
+        return {"logits": logits, "loss": loss}
+
+
+def _vlm_batch(fixed: bool, seed: int) -> dict[str, torch.Tensor]:
+    rows = _ids(8, 6, low=2, seed=seed)
+    rows[:, 0] = IMAGE  # "[IMG] caption" per sample
+    ids = rows if fixed else rows.reshape(1, -1)  # BUG: the 8 samples joined into one row
+    labels = ids.masked_fill(ids == IMAGE, -100)
+    pixels = torch.randn(8, 3, 4, 4, generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels,
+            "pixel_values": pixels}  # fmt: skip
+
+
+def setup_batch_size(fixed: bool) -> dict[str, Any]:
+    """https://github.com/huggingface/transformers/issues/34204 (TrainCheck's reproduced set):
+    the processor returns input_ids of shape [1, sequence_length] for a batch of 50 images."""
+    model = seeded(TinyVLM)
+    batches = [_vlm_batch(fixed, s) for s in (1, 2)]
+    return dict(model=model, optimizer=adamw(model), batches=batches)  # no loss_fn: .loss
+
+
 def _pair(make: Any) -> tuple[Any, Any]:
     return (lambda: make(False)), (lambda: make(True))
 
@@ -257,4 +299,5 @@ CASES = [
     ("graph_retained", *_pair(setup_hidden), "error"),
     ("stale_gradient", *_pair(setup_stale), "error"),
     ("accumulation_scale", *_pair(setup_accumulation), "error"),
+    ("batch_size_mismatch", *_pair(setup_batch_size), "warning"),
 ]

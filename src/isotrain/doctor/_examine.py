@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
+from isotrain.doctor._batch import check_batch_size
 from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
@@ -116,6 +117,7 @@ CHECKS: tuple[Check, ...] = (
     Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
     Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
     Check("memory", ("memory",), check_memory),
+    Check("batch_size", ("batch_size_mismatch",), check_batch_size),
     Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
 )
 

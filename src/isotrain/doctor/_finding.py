@@ -47,6 +47,7 @@ KINDS: dict[str, str] = {
     "graph_retained": "tensors with their autograd graph outlive the step; the graph grows",
     "stale_gradient": "optimizer.step() receives earlier steps' gradients too (no zero_grad)",
     "accumulation_scale": "with k micro-batches the applied gradient is k (or 1/k) times the mean",
+    "batch_size_mismatch": "the tensors of one batch disagree on how many samples it holds",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 
