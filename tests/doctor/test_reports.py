@@ -122,3 +122,46 @@ def test_a_dataloader_is_examined_by_its_first_batches_and_its_order_is_left_alo
     d = examine(model, zoo.adamw(model), loader, step=zoo.good_step, checks=["host_sync"])
     assert d.ok
     assert all(torch.equal(a[0], b[0]) for a, b in zip(loader, twin, strict=True))
+
+
+@torch.library.custom_op("isotrain_zoo::host_matmul", mutates_args=())
+def host_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A kernel outside the dispatcher (as a C++ or Triton one is): autocast never sees it."""
+    return torch.from_numpy(x.detach().numpy() @ w.detach().numpy().T)
+
+
+@host_matmul.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _autocast_step(matmul: Any) -> Any:
+    def step(model: torch.nn.Module, opt: Any, batch: Any) -> Any:
+        x, y = batch
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model.fc1(x)
+            extra = matmul(x, model.fc1.weight.detach())  # a matmul the region should cast
+            loss = torch.nn.functional.cross_entropy(model.fc2(torch.relu(h + extra)), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_matmuls_that_escape_the_autocast_region_are_named_at_their_line() -> None:
+    def out_form(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(x, w.t(), out=torch.empty(x.shape[0], w.shape[0]))
+
+    d = examine(**zoo.mlp_setup(step=_autocast_step(out_form)), checks=["autocast_not_applied"])
+    (f,) = d.findings
+    assert f.severity == "warning" and "aten.mm.out (an in-place or out= form" in f.evidence
+    assert f.where.endswith(f"test_reports.py:{inspect.getsourcelines(out_form)[1] + 1}")
+    kernel = examine(**zoo.mlp_setup(step=_autocast_step(host_matmul)),
+                     checks=["autocast_not_applied"])  # fmt: skip
+    (info,) = kernel.findings
+    assert info.severity == "info" and "custom op isotrain_zoo::host_matmul" in info.evidence
+    plain = examine(**zoo.mlp_setup(step=_autocast_step(torch.nn.functional.linear)),
+                    checks=["autocast_not_applied"])  # fmt: skip
+    assert plain.findings == []

@@ -286,6 +286,29 @@ def setup_batch_size(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=adamw(model), batches=batches)  # no loss_fn: .loss
 
 
+# -- autocast_not_applied -------------------------------------------------------------------
+def step_autocast_cuda(model: nn.Module, opt: Any, batch: Any, device: str = "cuda") -> Any:
+    x, y = batch
+    opt.zero_grad()
+    with torch.autocast(device, dtype=torch.bfloat16):  # BUG (cuda): the model is on the CPU
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def step_autocast_cpu(model: nn.Module, opt: Any, batch: Any) -> Any:
+    return step_autocast_cuda(model, opt, batch, device="cpu")
+
+
+def setup_autocast(fixed: bool) -> dict[str, Any]:
+    """https://github.com/Lightning-AI/pytorch-lightning/issues/21815: bf16-mixed on the CPU
+    opens autocast for "cuda", torch warns "CUDA is not available ... Disabling autocast" and
+    the step runs in float32 (on a GPU machine the region exists, but torch.mm of CPU tensors
+    stays float32: pytorch/pytorch#114458)."""
+    return mlp_setup(step=step_autocast_cpu if fixed else step_autocast_cuda)
+
+
 def _pair(make: Any) -> tuple[Any, Any]:
     return (lambda: make(False)), (lambda: make(True))
 
@@ -300,4 +323,5 @@ CASES = [
     ("stale_gradient", *_pair(setup_stale), "error"),
     ("accumulation_scale", *_pair(setup_accumulation), "error"),
     ("batch_size_mismatch", *_pair(setup_batch_size), "warning"),
+    ("autocast_not_applied", *_pair(setup_autocast), "warning"),
 ]

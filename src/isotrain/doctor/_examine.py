@@ -31,6 +31,7 @@ from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
 from isotrain.doctor._params import check_learning, check_optimizer
+from isotrain.doctor._precision import check_autocast
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
 
@@ -63,6 +64,7 @@ _TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("graph_retained", check_graph_retained),
     ("stale_gradient", check_stale),
     ("accumulation_scale", check_accumulation),
+    ("autocast_not_applied", check_autocast),
 )
 
 
