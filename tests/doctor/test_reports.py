@@ -29,6 +29,7 @@ def _line(fn: Any, text: str) -> str:
         ("accumulation_scale", zoo_reports.setup_accumulation, zoo_reports.step_accumulating,
          "loss.backward()"),
         ("graph_retained", zoo_reports.setup_graph, zoo_reports.step_summing_losses, "+="),
+        ("lr_collapse", zoo_reports.setup_lr, zoo_reports.setup_lr, "scheduler.step()"),
     ],
 )  # fmt: skip
 def test_a_finding_points_at_the_users_line(kind: str, setup: Any, fn: Any, text: str) -> None:

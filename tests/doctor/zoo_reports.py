@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tests.doctor.zoo import TinyLM, adamw, features, good_step, mlp_setup, seeded
+from tests.doctor.zoo import MLP, TinyLM, adamw, features, good_step, mlp_setup, seeded
 from torch import nn
 
 V = 16  # the token LMs' vocabulary
@@ -309,6 +309,27 @@ def setup_autocast(fixed: bool) -> dict[str, Any]:
     return mlp_setup(step=step_autocast_cpu if fixed else step_autocast_cuda)
 
 
+# -- lr_collapse ----------------------------------------------------------------------------
+EPOCHS = 5
+
+
+def setup_lr(fixed: bool) -> dict[str, Any]:
+    """https://github.com/ivadomed/ivadomed/pull/55: "Scheduler was incorrectly stepped in the
+    batch loop instead of in the epoch loop, causing the LR to be updated after each batch"."""
+    batches = features(8)
+    model = seeded(MLP)
+    opt = adamw(model)
+    steps = EPOCHS * len(batches) if fixed else EPOCHS  # T_max in epochs, stepped per batch
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+
+    def step(model: nn.Module, optimizer: Any, batch: Any) -> torch.Tensor:
+        loss = good_step(model, optimizer, batch)
+        scheduler.step()  # BUG (unfixed): T_max counts epochs, this runs every batch
+        return loss
+
+    return dict(model=model, optimizer=opt, batches=batches, step=step)
+
+
 def _pair(make: Any) -> tuple[Any, Any]:
     return (lambda: make(False)), (lambda: make(True))
 
@@ -324,4 +345,5 @@ CASES = [
     ("accumulation_scale", *_pair(setup_accumulation), "error"),
     ("batch_size_mismatch", *_pair(setup_batch_size), "warning"),
     ("autocast_not_applied", *_pair(setup_autocast), "warning"),
+    ("lr_collapse", *_pair(setup_lr), "warning"),
 ]

@@ -32,6 +32,7 @@ from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
 from isotrain.doctor._params import check_learning, check_optimizer
 from isotrain.doctor._precision import check_autocast
+from isotrain.doctor._schedule import check_lr
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
 
@@ -65,6 +66,7 @@ _TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
     ("stale_gradient", check_stale),
     ("accumulation_scale", check_accumulation),
     ("autocast_not_applied", check_autocast),
+    ("lr_collapse", check_lr),
 )
 
 

@@ -49,6 +49,7 @@ KINDS: dict[str, str] = {
     "accumulation_scale": "with k micro-batches the applied gradient is k (or 1/k) times the mean",
     "batch_size_mismatch": "the tensors of one batch disagree on how many samples it holds",
     "autocast_not_applied": "inside an autocast region, matmul-class ops run in float32",
+    "lr_collapse": "the learning rate falls more than 100x within the examined steps",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 
