@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tests.doctor.zoo import MLP, TinyLM, adamw, features, good_step, mlp_setup, seeded
 from torch import nn
+from torch.utils.data import DataLoader, Dataset
 
 V = 16  # the token LMs' vocabulary
 
@@ -330,6 +332,38 @@ def setup_lr(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opt, batches=batches, step=step)
 
 
+# -- dataloader_worker_seed -----------------------------------------------------------------
+class NoisyFeatures(Dataset):  # type: ignore[type-arg]
+    """Features with random noise added on every read, from the dataset's own generator."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        self.rng = np.random.default_rng(0)  # BUG: copied into every worker as it is
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.from_numpy(self.rng.normal(0.0, 0.1, 8).astype(np.float32))
+        return self.x[i] + noise, self.y[i]
+
+
+def seed_worker(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    info.dataset.rng = np.random.default_rng(info.seed)  # each worker its own stream
+
+
+def setup_workers(fixed: bool) -> dict[str, Any]:
+    """https://github.com/wolny/pytorch-3dunet/issues/32: random rotations and contrasts repeat
+    across DataLoader workers, "since the workers share the common instance of the Dataset
+    which was initialized with a fixed seed" (TrainCheck's stackoverflow-67180955 is the same
+    bug with numpy's global RNG, which the DataLoader seeds per worker since torch 1.9)."""
+    loader = DataLoader(NoisyFeatures(), batch_size=8, num_workers=2,
+                        worker_init_fn=seed_worker if fixed else None)  # fmt: skip
+    return mlp_setup(batches=loader, eval_fn=None)
+
+
 def _pair(make: Any) -> tuple[Any, Any]:
     return (lambda: make(False)), (lambda: make(True))
 
@@ -346,4 +380,5 @@ CASES = [
     ("batch_size_mismatch", *_pair(setup_batch_size), "warning"),
     ("autocast_not_applied", *_pair(setup_autocast), "warning"),
     ("lr_collapse", *_pair(setup_lr), "warning"),
+    ("dataloader_worker_seed", *_pair(setup_workers), "warning"),
 ]

@@ -35,6 +35,7 @@ from isotrain.doctor._precision import check_autocast
 from isotrain.doctor._schedule import check_lr
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
+from isotrain.doctor._workers import check_worker_seed
 
 __all__ = ["CHECKS", "examine"]
 
@@ -123,6 +124,7 @@ CHECKS: tuple[Check, ...] = (
     Check("memory", ("memory",), check_memory),
     Check("batch_size", ("batch_size_mismatch",), check_batch_size),
     Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
+    Check("workers", ("dataloader_worker_seed",), check_worker_seed),
 )
 
 

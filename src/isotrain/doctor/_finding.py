@@ -50,6 +50,7 @@ KINDS: dict[str, str] = {
     "batch_size_mismatch": "the tensors of one batch disagree on how many samples it holds",
     "autocast_not_applied": "inside an autocast region, matmul-class ops run in float32",
     "lr_collapse": "the learning rate falls more than 100x within the examined steps",
+    "dataloader_worker_seed": "DataLoader workers share a random state: augmentations repeat",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 
