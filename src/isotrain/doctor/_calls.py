@@ -148,10 +148,18 @@ class _CallMode(TorchFunctionMode):
                 w.last_loss = out  # the loss the reference gradient differentiates
             w.calls.append(call)
         elif func in _SOFTMAX and isinstance(out, torch.Tensor):
-            w.softmax_at[out.untyped_storage().data_ptr()] = call_site()[0]
+            w.softmax_at[_storage(out)] = call_site()[0]
         if isinstance(out, torch.Tensor) and out.grad_fn is not None:
             w.graphs[id(out)] = (weakref.ref(out), call_site()[0])
         return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of `t`'s storage (shared by its views), or its id for a storage-less one."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one
+        return id(t)
 
 
 def _loss_call(w: CallWatch, name: str, args: Any, kwargs: dict[str, Any]) -> LossCall | None:
@@ -161,11 +169,13 @@ def _loss_call(w: CallWatch, name: str, args: Any, kwargs: dict[str, Any]) -> Lo
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return None
     where, inner = call_site()
-    classes = name in ("cross_entropy", "nll_loss") and not y.is_floating_point()
-    ignore = kwargs.get("ignore_index", args[4] if len(args) > 4 else -100)
-    reduction = kwargs.get("reduction", args[6] if len(args) > 6 else "mean")
-    probs = _probabilities(x) if name in ("cross_entropy", "nll_loss") else None
-    softmax = w.softmax_at.get(x.untyped_storage().data_ptr()) if probs else None
+    ce = name in ("cross_entropy", "nll_loss")  # (input, target, weight, _, ignore_index, _,
+    classes = ce and not y.is_floating_point()  # reduction); elementwise: reduction is 5th
+    ignore = kwargs.get("ignore_index", args[4] if ce and len(args) > 4 else -100)
+    at = 6 if ce else 2 if name == "huber_loss" else 4
+    reduction = kwargs.get("reduction", args[at] if len(args) > at else "mean")
+    probs = _probabilities(x) if ce else None
+    softmax = w.softmax_at.get(_storage(x)) if probs else None
     return LossCall(
         name, w.step, where, inner, tuple(x.shape), tuple(y.shape),
         y.detach().clone() if classes else None, int(ignore),
@@ -183,13 +193,15 @@ class _PrecisionMode(DispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         region = self.watch.region
+        if not region:
+            return func(*args, **kwargs)
         device, fp32 = _float32_device(args)
-        if not region or not fp32:
+        if not fp32:
             return func(*args, **kwargs)
         if getattr(func, "namespace", "aten") not in ("aten", "prim", "prims"):
             return self._custom(func, args, kwargs, device, region)
         packet, what = func.overloadpacket, None
-        if packet in _INPLACE or (packet in _MATMUL and func._overloadname == "out"):
+        if packet in _INPLACE or (packet in _MATMUL and str(func).endswith(".out")):
             what = f"{func} (an in-place or out= form, which autocast does not cast)"
         elif packet in _MATMUL and device not in region:
             what = f"{func} on {device} (the region is for {', '.join(region)})"

@@ -32,9 +32,11 @@ __all__ = ["Fit", "StepTrace", "Trace", "graph_alive", "trace", "trace_ok"]
 # started from: a = 1, b = 0 for a correct step; b = 1 when the previous step's gradient is
 # still in .grad (zero_grad missing); a = k or 1/k when k micro-batch losses are not divided
 # by k, or divided twice. A GradScaler's scale is divided out of a; a poor fit (other terms in
-# the loss, a gradient hook) concludes nothing.
+# the loss, a gradient hook) concludes nothing. The first two calls get a reference: the
+# second is the first to start from a step's leftover .grad.
 
 TRACE_MIN, TRACE_MAX = 3, 8
+REFERENCE_CALLS = 2  # the calls with a reference gradient: the first, and one after a step
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,6 @@ class StepTrace:
     optimizer_steps: int = 0
     closure: bool = False
     lrs: list[float] = field(default_factory=list)  # each group's lr at the first step()
-    backwards: int = 0
     references: int = 0  # backward calls whose loss the doctor differentiated
     scale: float = 1.0  # the GradScaler scale of its backward, if any
     fit: Fit | None = None
@@ -193,14 +194,14 @@ class _Tracer:
     def backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(*args: Any, **kwargs: Any) -> Any:
             loss, self.watch.last_loss = self.watch.last_loss, None
-            if loss is not None and self.reference_error is None and self.now.optimizer_steps == 0:
+            wanted = self.now.index < REFERENCE_CALLS and self.now.optimizer_steps == 0
+            if loss is not None and wanted and self.reference_error is None:
                 try:
                     self.grads.add_reference(loss)
                 except RuntimeError as e:  # e.g. reentrant checkpointing refuses .grad()
                     self.reference_error = str(e).splitlines()[0]
             del loss
             out = original(*args, **kwargs)
-            self.now.backwards += 1
             self.now.backward_at = call_site()[0]
             self.now.references = self.grads.n
             if self.now.optimizer_steps == 0 and self.reference_error is None:
