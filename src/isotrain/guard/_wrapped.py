@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain.guard._optim import named_trainable
 from isotrain.guard._outcome import StepOutcome
-from isotrain.guard._step import StepGuard, _named_trainable
+from isotrain.guard._step import StepGuard
 
 __all__ = ["GuardedOptimizer"]
 
@@ -126,14 +127,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return _SkipAwareScheduler(scheduler, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad``; the guard zeroes the same way after its steps
+        (NOTE [the user's zero_grad])."""
+        self.guard.set_to_none = set_to_none
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add the group to the wrapped optimizer; the guard then checks and clips it too."""
         self.optimizer.add_param_group(param_group)
         guard = self.guard
-        guard.names, guard.params = _named_trainable(
+        guard.names, guard.params = named_trainable(
             self._model if isinstance(self._model, nn.Module) else None, guard.inner
         )
 
