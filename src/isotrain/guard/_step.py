@@ -28,6 +28,7 @@ from isotrain._torch_private import (
     supports_found_inf,
 )
 from isotrain.guard._buffers import BufferGuard
+from isotrain.guard._closure import closure_step, needs_closure
 from isotrain.guard._optim import named_trainable, optimizer_chain
 from isotrain.guard._outcome import (
     _FLAG_CODES,
@@ -80,7 +81,8 @@ class StepGuard(GuardRecord):
     its forward: by default when `model` has floating-point buffers its forwards write, always
     with `protect_buffers=True`, never with False (NOTE [protected buffers], NOTE [protect by
     default]; `close()` removes the hook this installs). `set_to_none` is how the guard zeroes
-    the gradients, as your loop would (NOTE [the user's zero_grad]).
+    the gradients, as your loop would (NOTE [the user's zero_grad]). A closure optimizer
+    (LBFGS) steps with `step_with_closure` (NOTE [closure steps]).
 
     Example::
 
@@ -126,6 +128,7 @@ class StepGuard(GuardRecord):
         self.names, self.params = named_trainable(model, self.inner)
         dev = self.device = self.params[0].device
         self._warned: set[str] = set()
+        self.needs_closure = needs_closure(self.inner)
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
         self.buffers = self._buffer_guard(model, protect_buffers)
@@ -183,6 +186,12 @@ class StepGuard(GuardRecord):
     # -- the step -------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
         """Unscale, clip, decide, apply or skip the update, update the scaler, count, zero grads."""
+        if self.needs_closure:
+            raise TypeError(
+                f"StepGuard: {type(self.inner).__name__}.step() evaluates a closure (several "
+                "times a step), so guard.step(loss) cannot run it: call "
+                "guard.step_with_closure(closure), or GuardedOptimizer(...).step(closure)"
+            )
         grad_mode = torch.is_grad_enabled()
         set_grad_mode(False)  # torch.no_grad(), without its per-call objects
         try:
@@ -191,6 +200,18 @@ class StepGuard(GuardRecord):
             set_grad_mode(grad_mode)
         self.steps += 1
         return outcome
+
+    def step_with_closure(self, closure: Callable[[], Any]) -> tuple[Any, StepOutcome]:
+        """The guarded step of an optimizer that needs a closure (LBFGS): each evaluation
+        checked, a skip undone (NOTE [closure steps]). Returns the step's result and outcome."""
+        grad_mode = torch.is_grad_enabled()
+        set_grad_mode(False)
+        try:
+            result = closure_step(self, closure)
+        finally:
+            set_grad_mode(grad_mode)
+        self.steps += 1
+        return result
 
     # NOTE [the user's zero_grad]
     # The guard zeroes the gradients after each step (a skipped step's must not reach the next
@@ -212,6 +233,15 @@ class StepGuard(GuardRecord):
     def zero_grad(self) -> None:
         """Zero the gradients as the training loop would: NOTE [the user's zero_grad]."""
         self.optimizer.zero_grad(**self._zero)
+
+    def count_host(self, reason: int, norm: float, loss: float, scale: float) -> None:
+        """Count a step decided on the host (host mode, closure steps)."""
+        c = self._counts
+        ok = reason == 0
+        c[0] += ok
+        c[reason + 1] += 1
+        c[-1] = 0 if ok else c[-1] + 1
+        self._last = [float(reason), norm, loss, scale]
 
     def _device_step(self, loss: torch.Tensor | float) -> StepOutcome:
         with self.sync_check():
@@ -264,7 +294,7 @@ class StepGuard(GuardRecord):
         if self.scaler is not None and scaler_pending(self.scaler):
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
-        c = self._counts
+        c = self._counts  # count_host, inlined: each Python call here is one per step
         c[0] += ok
         c[reason + 1] += 1
         c[-1] = 0 if ok else c[-1] + 1
@@ -292,6 +322,14 @@ class StepGuard(GuardRecord):
             raise ValueError(
                 f"unknown skip_mode {mode!r}: use 'auto', 'select', 'host' or 'found_inf'"
             )
+        if self.needs_closure:  # NOTE [closure steps]: decided on the host
+            if mode not in ("auto", "host") or self.scaler is not None:
+                raise ValueError(
+                    f"{type(inner).__name__}.step() evaluates a closure and reads its loss on "
+                    "the host, so StepGuard decides there too: use skip_mode='auto' or 'host' "
+                    "and no GradScaler (torch's GradScaler refuses closures as well)"
+                )
+            return "host"
         if not isinstance(inner, torch.optim.Optimizer):  # its state is out of our sight
             if mode != "host" and not (mode == "auto" and device.type == "cpu"):
                 self._warn_once(

@@ -101,7 +101,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (under grad) if given, then the guarded step; returns its result."""
+        """Run ``closure`` (under grad) if given, then the guarded step; returns its result.
+
+        An optimizer that needs a closure (LBFGS) runs it as often as it likes, each
+        evaluation checked, and a skip puts parameters and state back: NOTE [closure steps].
+        """
+        if self.guard.needs_closure:
+            if closure is None:
+                raise TypeError(
+                    f"GuardedOptimizer: {type(self.guard.inner).__name__}.step() needs a closure"
+                    " that zeroes the grads, computes the loss, calls backward and returns it"
+                )
+            self._loss = None
+            result, self.last_outcome = self.guard.step_with_closure(closure)
+            return result
         result = None
         if closure is not None:
             with torch.enable_grad():
