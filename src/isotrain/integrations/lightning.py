@@ -39,6 +39,14 @@ __all__ = ["GuardCallback"]
 # `teardown` undoes the clip take-over and the validation wrapper.
 
 
+# NOTE [skips reach the loggers]
+# Lightning sends step metrics to its loggers only at its log steps (`log_every_n_steps`);
+# what `log()` got at the steps between is overwritten before it is sent. So the reasons of
+# the skips since the last logged step are kept and logged at the next one (as GuardedTrainer
+# does for HF's logging_steps), and `log()` is called only there: it is costly per call. Skips
+# after the last logged step of a fit are written to the loggers at `on_train_end`.
+
+
 # NOTE [the guard owns the scaler]
 # With precision='16-mixed' Lightning scales the loss, unscales, calls `scaler.step(optimizer)`
 # (which skips the step itself on an overflow, unseen by the guard) and `scaler.update()`. The
@@ -82,8 +90,8 @@ class GuardCallback(pl.Callback):
 
     ``max_norm`` clips by total norm (``None``: ``Trainer(gradient_clip_val=...)`` if set by
     norm, else no clipping); ``guard_options`` go to ``StepGuard`` (``spike_k``, ...).
-    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (this step's ``SkipReason``
-    code) at Lightning's log steps and at every skipped step.
+    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (the highest ``SkipReason`` code
+    among the skips since the last logged step, 0 for none) at Lightning's log steps.
 
     Example::
 
@@ -102,6 +110,7 @@ class GuardCallback(pl.Callback):
         self.max_norm, self.isolate_eval, self.guard_options = max_norm, isolate_eval, guard_options
         self._undo: list[Callable[[], None]] = []
         self._steps = self._skipped = 0
+        self._pending: list[int] = []  # reasons of the skips not logged yet
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Wrap optimizers and schedulers, take over clipping, isolate validation."""
@@ -191,7 +200,8 @@ class GuardCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        """Log the skip count and this step's reason at Lightning's log steps and on a skip."""
+        """Log the skip count and the reasons of the skips since the last logged step, at
+        Lightning's log steps (NOTE [skips reach the loggers])."""
         guards = _guards(trainer)
         steps = sum(g.guard.steps for g in guards)
         if steps == self._steps:
@@ -200,13 +210,22 @@ class GuardCallback(pl.Callback):
         # sync: one host read per step on an accelerator, the one the skip-aware LR makes
         skipped = [g for g in guards if not g.applied]
         self._skipped += len(skipped)
-        # Lightning's log() is costly per call: call it only where its logger would write
-        # (its own test for that; without one, every step) or where a skip must be seen.
+        self._pending += [int(g.last_outcome.reason) for g in skipped if g.last_outcome]
         connector = getattr(trainer, "_logger_connector", None)
-        if skipped or connector is None or connector.should_update_logs:
-            reason = max((int(g.last_outcome.reason) for g in skipped if g.last_outcome), default=0)
+        if connector is None or connector.should_update_logs or trainer.fast_dev_run:
             pl_module.log("skipped_steps", float(self._skipped), on_step=True, on_epoch=False)
-            pl_module.log("skip_reason", float(reason), on_step=True, on_epoch=False)
+            pl_module.log("skip_reason", float(max(self._pending, default=0)), on_step=True,
+                          on_epoch=False)  # fmt: skip
+            self._pending.clear()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Skips after the last logged step go to the loggers directly (log() is closed here)."""
+        if self._pending:
+            metrics = {"skipped_steps": float(self._skipped),
+                       "skip_reason": float(max(self._pending))}  # fmt: skip
+            for logger in trainer.loggers:  # at the last step's index, as Lightning counts
+                logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
+            self._pending.clear()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Give clipping back to the Trainer and unwrap the validation loop."""
