@@ -133,6 +133,10 @@ class QuantReport:
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.converted)} layer(s), left {len(self.skipped)}"]
+        if self.converted:
+            more = len(self.converted) - 8
+            lines.append(f"  converted {', '.join(self.converted[:8])}")
+            lines[-1] += f" ... (+{more} more)" if more > 0 else ""
         lines += [f"  kept {name} ({kind}): {why}" for name, kind, why in self.skipped]
         return "\n".join(lines)
 
@@ -150,6 +154,11 @@ def _param_reason(module: nn.Module, p: Tensor) -> str:
     )
 
 
+def _unwrapped_name(name: str) -> str:
+    """`name` without torch.compile's `_orig_mod` level: the model's own names, for `exclude`."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _uncovered(model: nn.Module, covered: set[int]) -> list[tuple[str, str, str]]:
     """Kept entries for the float parameters (ndim >= 2) no layer entry accounts for."""
     out = []
@@ -158,7 +167,7 @@ def _uncovered(model: nn.Module, covered: set[int]) -> list[tuple[str, str, str]
             if p is None or id(p) in covered or not p.is_floating_point() or p.dim() < 2:
                 continue
             covered.add(id(p))  # a tied parameter is reported once
-            full = f"{name}.{pname}" if name else pname
+            full = _unwrapped_name(f"{name}.{pname}" if name else pname)
             out.append((full, type(module).__name__, _param_reason(module, p)))
     return out
 
@@ -169,7 +178,8 @@ def _convert(
     converted: list[str] = []
     skipped: list[tuple[str, str, str]] = []
     covered: set[int] = set()
-    for name, module in model.named_modules():  # shared modules are visited once
+    for wrapped, module in model.named_modules():  # shared modules are visited once
+        name = _unwrapped_name(wrapped)
         kind, plain, quant, why = _classify(module)
         if not kind:
             continue
