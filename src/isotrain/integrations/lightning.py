@@ -19,6 +19,7 @@ from isotrain._torch_private import scaler_pending
 from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
+from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
 
 try:
     import lightning.pytorch as pl
@@ -92,6 +93,9 @@ class GuardCallback(pl.Callback):
     norm, else no clipping); ``guard_options`` go to ``StepGuard`` (``spike_k``, ...).
     Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (the highest ``SkipReason`` code
     among the skips since the last logged step, 0 for none) at Lightning's log steps.
+    ``checkpointing`` (a policy such as ``"full"``) and ``compile_blocks`` (True, or
+    compile_model's keywords) are applied to the module at fit start: NOTE [patterns in
+    trainers].
 
     Example::
 
@@ -101,8 +105,15 @@ class GuardCallback(pl.Callback):
     """
 
     def __init__(
-        self, *, max_norm: float | None = None, isolate_eval: bool = True, **guard_options: Any
+        self,
+        *,
+        max_norm: float | None = None,
+        isolate_eval: bool = True,
+        checkpointing: CheckpointingOption = None,
+        compile_blocks: CompileOption = False,
+        **guard_options: Any,
     ) -> None:
+        self._patterns = Patterns(checkpointing, compile_blocks, "GuardCallback")
         if "scaler" in guard_options:
             raise ValueError(
                 "GuardCallback takes no scaler: with precision='16-mixed' it uses the Trainer's"
@@ -113,12 +124,14 @@ class GuardCallback(pl.Callback):
         self._pending: list[int] = []  # reasons of the skips not logged yet
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wrap optimizers and schedulers, take over clipping, isolate validation."""
+        """Checkpoint and compile blocks if asked; wrap optimizers and schedulers, take over
+        clipping, isolate validation."""
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "GuardCallback guards automatic optimization; with manual optimization wrap "
                 "your optimizer in isotrain.guard.GuardedOptimizer yourself"
             )
+        self._patterns.apply(pl_module)  # NOTE [patterns in trainers]
         max_norm = self._take_clipping(trainer)
         scaler = self._take_scaler(trainer)
         options = {**self.guard_options, **({"scaler": scaler} if scaler is not None else {})}
@@ -212,7 +225,7 @@ class GuardCallback(pl.Callback):
         self._skipped += len(skipped)
         self._pending += [int(g.last_outcome.reason) for g in skipped if g.last_outcome]
         connector = getattr(trainer, "_logger_connector", None)
-        if connector is None or connector.should_update_logs or trainer.fast_dev_run:
+        if connector is None or connector.should_update_logs or getattr(trainer, "fast_dev_run", 0):
             pl_module.log("skipped_steps", float(self._skipped), on_step=True, on_epoch=False)
             pl_module.log("skip_reason", float(max(self._pending, default=0)), on_step=True,
                           on_epoch=False)  # fmt: skip
