@@ -99,7 +99,7 @@ def closure_step(guard: Any, closure: Callable[[], Any]) -> tuple[Any, StepOutco
             inner.state.update(state)
         if guard.buffers is not None:
             guard.buffers.settle(ok, host=True)
-    guard.count_host(reason, nf, lf, 1.0)
+    guard._count_host(reason, nf, lf, 1.0)
     guard.zero_grad()
     applied_t, reason_t = guard._consts
     norm_t = torch.tensor(nf, dtype=torch.float32, device=guard.device)

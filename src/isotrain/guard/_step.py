@@ -234,7 +234,7 @@ class StepGuard(GuardRecord):
         """Zero the gradients as the training loop would: NOTE [the user's zero_grad]."""
         self.optimizer.zero_grad(**self._zero)
 
-    def count_host(self, reason: int, norm: float, loss: float, scale: float) -> None:
+    def _count_host(self, reason: int, norm: float, loss: float, scale: float) -> None:
         """Count a step decided on the host (host mode, closure steps)."""
         c = self._counts
         ok = reason == 0
@@ -294,7 +294,7 @@ class StepGuard(GuardRecord):
         if self.scaler is not None and scaler_pending(self.scaler):
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
-        c = self._counts  # count_host, inlined: each Python call here is one per step
+        c = self._counts  # _count_host, inlined: each Python call here is one per step
         c[0] += ok
         c[reason + 1] += 1
         c[-1] = 0 if ok else c[-1] + 1
