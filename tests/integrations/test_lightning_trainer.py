@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -252,3 +253,28 @@ def test_manual_optimization_uses_guarded_optimizer_directly() -> None:
     assert _finite(trainer)
     with pytest.raises(ValueError, match="GuardCallback guards automatic optimization"):
         _bare(callbacks=[GuardCallback()]).fit(_Manual(), _loader())
+
+
+class _ArmAt(pl.Callback):
+    """Arms the NaN gradient at the given optimizer steps (1-based)."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_start(self, trainer: Any, module: Any, *a: Any) -> None:
+        module.armed = trainer.global_step + 1 in self.steps
+
+
+def test_skips_between_log_steps_reach_the_loggers(tmp_path: Path) -> None:
+    logger = pl.loggers.CSVLogger(tmp_path, name="run", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, logger=logger, log_every_n_steps=5,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[GuardCallback(), _ArmAt(3, 7)],
+    )  # fmt: skip
+    trainer.fit(_Module(), _loader(8))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [(r["step"], r["skipped_steps"], r["skip_reason"]) for r in csv.DictReader(f)]
+    # Logged at step index 4 (the 5th step): the skip of step 3, reason 2 (NONFINITE_GRAD);
+    # the skip of step 7 came after the last log step: written when training ended.
+    assert rows == [("4", "1.0", "2.0"), ("7", "2.0", "2.0")]
