@@ -36,7 +36,11 @@ from isotrain.train.update.updater import build_updater
 __all__ = ["cmd_doctor", "trainer_setup"]
 
 Target = Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="FILE.py[:FUNCTION]")]
-_ARGS = set(inspect.signature(examine).parameters) - {"checks"}  # checks: --checks, --only
+_ARGS = inspect.signature(examine).parameters
+_REQUIRED = [n for n, p in _ARGS.items() if p.default is inspect.Parameter.empty]
+# What the setup's dict may hold: isotrain.doctor.examine's parameters, read from its signature.
+_KEYS = f"{', '.join(_REQUIRED)} and any of {', '.join(n for n in _ARGS if n not in _REQUIRED)}"
+EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "doctor_setup.py"  # in a clone
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +52,10 @@ class DoctorArgs:
     """The file defining the setup function, optionally :FUNCTION."""
     json: str | None = None
     """Also write the diagnosis as JSON to this file."""
-    checks: Literal["all", "fast"] = "all"
+    checks: Annotated[
+        Literal["all", "fast"] | None,
+        tyro.conf.arg(metavar="{all,fast}", help_behavior_hint="(default: the setup's, else all)"),
+    ] = None
     """all, or fast (no compile checks, no few-dozen-step overfit test)."""
     only: tuple[str, ...] = ()
     """Examine only these kinds (e.g. --only host_sync mode_leak)."""
@@ -58,12 +65,24 @@ class DoctorArgs:
     """With --trainer: the trainer preset to examine."""
 
 
+def _template() -> str:
+    """Where to look for a worked setup: the repository's example, when this is a clone."""
+    if not EXAMPLE.is_file():
+        return "doctor_setup() in isotrain's examples/doctor_setup.py"
+    with contextlib.suppress(ValueError):
+        return str(EXAMPLE.relative_to(Path.cwd()))
+    return str(EXAMPLE)
+
+
 def _load_setup(target: str) -> dict[str, Any]:
     """Import FILE, call FUNCTION(), check it returned examine's arguments."""
     file, _, func = target.partition(":")
     path = Path(file).expanduser()
     if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"{file}: no such Python file; try isotrain doctor train.py:setup")
+        raise ConfigError(
+            f"{file}: no such Python file; give the script that defines your setup function "
+            f"(a worked one: {_template()})"
+        )
     spec = importlib.util.spec_from_file_location(f"_isotrain_doctor_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{file}: cannot be imported as a Python module")
@@ -75,19 +94,22 @@ def _load_setup(target: str) -> dict[str, Any]:
     name = func or "doctor_setup"
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise ConfigError(f"{file} defines no function {name}(); write one returning a dict")
+        raise ConfigError(
+            f"{file} defines no function {name}(); write one returning a dict of "
+            f"isotrain.doctor.examine's arguments ({_KEYS}), as in {_template()}"
+        )
     try:
         made = fn()
     except Exception as e:
         raise ConfigError(f"{name}() raised {type(e).__name__}: {e}") from None
-    if not isinstance(made, dict) or not {"model", "optimizer", "batches"} <= set(made):
+    if not isinstance(made, dict) or not set(_REQUIRED) <= set(made):
         raise ConfigError(
-            f"{name}() must return a dict with model, optimizer, batches (and step or "
-            f"loss_fn), got {type(made).__name__}"
+            f"{name}() must return a dict with {_KEYS}, got "
+            + (f"keys {sorted(made)}" if isinstance(made, dict) else type(made).__name__)
         )
-    extra = sorted(set(made) - _ARGS)
+    extra = sorted(set(made) - set(_ARGS))
     if extra:
-        raise ConfigError(f"{name}() returned unknown keys {extra}; examine takes {sorted(_ARGS)}")
+        raise ConfigError(f"{name}() returned unknown keys {extra}; examine takes {_KEYS}")
     return made
 
 
@@ -161,7 +183,8 @@ def cmd_doctor(argv: Sequence[str]) -> int:
     if a.json is not None:
         check_output("--json", Path(a.json), is_dir=False)
     with _setup_of(a) as kwargs:
-        kwargs = {**kwargs, "checks": list(a.only) if a.only else a.checks}
+        checks = list(a.only) if a.only else a.checks or kwargs.get("checks", "all")
+        kwargs = {**kwargs, "checks": checks}
         try:
             diagnosis: Diagnosis = examine(**kwargs)
         except (TypeError, ValueError) as e:
