@@ -1,4 +1,8 @@
-"""`isotrain sample | plot | report | export | prepare`: each command's options and wiring."""
+"""`isotrain sample | plot | report | export | prepare`: each command's options and wiring.
+
+Each command parses its arguments before it imports what needs torch, so `--help` and an
+argument error answer at once (NOTE [errors named, not imported] in `main`).
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,21 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from isotrain.train.cli.args import RunArgs, check_output, parse, run_of
 from isotrain.train.config import ConfigError
-from isotrain.train.rundir.writes import WriteError
+
+if TYPE_CHECKING:  # at run time imported where raised: it imports torch
+    from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample", "tidy"]
 
 
 def _write_failed(target: object, reason: str, code: int | None) -> WriteError:
     """What `train` says of a failed write, for the other commands: exit 1, one line."""
+    from isotrain.train.rundir.writes import WriteError
+
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = "make it writable or choose another --out"
     else:
@@ -106,10 +114,10 @@ def tidy(text: str) -> str:
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.model.sampling import check_sampling, samples
-
     a = parse(SampleArgs, argv, "isotrain sample")
     run = run_of(a, "isotrain sample")
+    from isotrain.train.model.sampling import check_sampling, samples
+
     check_sampling(
         tokens=a.tokens,
         temperature=a.temperature,
@@ -181,9 +189,9 @@ class PlotArgs(RunArgs):
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
+    args = parse(PlotArgs, argv, "isotrain plot")
     from isotrain.train.report.plots import plot_run
 
-    args = parse(PlotArgs, argv, "isotrain plot")
     run = run_of(args, "isotrain plot")
     out = Path(args.out or run)
     check_output("--out", out, is_dir=True)
@@ -200,12 +208,12 @@ class ReportArgs(RunArgs):
 
 
 def cmd_report(argv: Sequence[str]) -> int:
+    run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
     from rich.console import Console
     from rich.table import Table
 
     from isotrain.train.report.plots import summarize_run
 
-    run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
     table = Table(title=f"isotrain report: {run}", show_header=False)
     for key, value in summarize_run(run).items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -230,9 +238,9 @@ class ExportArgs(RunArgs):
 
 
 def cmd_export(argv: Sequence[str]) -> int:
+    a = parse(ExportArgs, argv, "isotrain export")
     from isotrain.train.weights.export import export_run
 
-    a = parse(ExportArgs, argv, "isotrain export")
     run = run_of(a, "isotrain export")
     hf = a.format == "hf"
     target = Path(a.out or (f"{run}/hf" if hf else f"{run}/model.safetensors"))
@@ -272,9 +280,9 @@ class PrepareArgs:
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
+    a = parse(PrepareArgs, argv, "isotrain prepare")
     from isotrain.train.data.prepare import prepare
 
-    a = parse(PrepareArgs, argv, "isotrain prepare")
     with _writing(Path(a.out)):
         meta = prepare(
             list(a.input),

@@ -7,40 +7,16 @@ Pre-LayerNorm blocks, learned positions, causal attention through
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from isotrain.train.model.shape import GPTConfig
+
 __all__ = ["GPT", "Block", "GPTConfig"]
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of the GPT (the trainer's `--model.*` flags). Changing any field but dropout
-    makes a snapshot incompatible."""
-
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide d_model."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    block_size: int = 128
-    """Context length in tokens (bytes for the default tokenizer)."""
-    vocab_size: int = 256
-    """Vocabulary size; left at 256 it takes the run's tokenizer's (a tokenizer.json, prepared
-    data, --init-from); the number of tokens to train for --tokenizer bpe."""
-    dropout: float = 0.0
-    """Dropout probability in attention and MLP outputs."""
-    bias: bool = True
-    """Use biases in Linear and LayerNorm layers."""
-    gelu: Literal["exact", "tanh"] = "exact"
-    """GELU form in the MLP: exact (erf), or tanh (GPT-2's approximation, for its checkpoints)."""
 
 
 class CausalSelfAttention(nn.Module):
