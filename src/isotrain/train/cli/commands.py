@@ -97,20 +97,20 @@ class SampleArgs(RunArgs):
     """Seed of the sampling generator (the global RNG is never touched)."""
     which: Literal["latest", "best"] = "latest"
     """Snapshot to load: the newest or the best-validation one."""
+    max_whitespace: int = 64  # sampling.MAX_WHITESPACE (that module imports torch)
+    """Longest run of whitespace (spaces, tabs, newlines) a sample writes: then the next token is
+    text, so a run of spaces cannot spend the token budget (0: no limit)."""
     raw: bool = False
     """Print each sample as generated; by default trailing spaces are stripped from each line
-    and a run of blank lines ends the sample (a note on stderr says when)."""
+    and blank lines beyond two in a row are left out (a note on stderr says when)."""
 
 
 def tidy(text: str) -> str:
-    """A sample as a reader wants it: no trailing spaces, cut at the first run of 3 or more
-    blank lines, no blank lines at the end."""
+    """A sample as a reader wants it: no trailing spaces, no more than two blank lines in a row
+    (the text after a longer run is kept), none at the end."""
     lines = [line.rstrip() for line in text.split("\n")]
-    for i in range(len(lines) - 2):
-        if not (lines[i] or lines[i + 1] or lines[i + 2]):
-            lines = lines[:i]
-            break
-    return "\n".join(lines).rstrip()
+    kept = [ln for i, ln in enumerate(lines) if ln or i < 2 or lines[i - 1] or lines[i - 2]]
+    return "\n".join(kept).rstrip()
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
@@ -124,6 +124,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         top_k=a.top_k,
         top_p=a.top_p,
         num_samples=a.num_samples,
+        max_whitespace=a.max_whitespace,
     )
     prompt = a.prompt
     if a.prompt_file is not None:
@@ -144,6 +145,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         top_p=a.top_p,
         num_samples=a.num_samples,
         seed=a.seed,
+        max_whitespace=a.max_whitespace,
     )
     full = [prompt + text for text in texts]
     shown = full if a.raw else [tidy(text) for text in full]
@@ -152,7 +154,16 @@ def cmd_sample(argv: Sequence[str]) -> int:
             sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
         sys.stdout.write(text + "\n")
     if shown != full:
-        sys.stderr.write("(trailing spaces and blank-line runs left out; --raw shows them)\n")
+        sys.stderr.write(
+            "(trailing spaces and blank lines beyond two in a row left out; --raw shows them)\n"
+        )
+    long = a.max_whitespace and re.compile(rf"\s{{{a.max_whitespace},}}")
+    stopped = [i + 1 for i, text in enumerate(texts) if long and long.search(text)]
+    if stopped:
+        sys.stderr.write(
+            f"(a run of {a.max_whitespace} whitespace characters was stopped in sample "
+            f"{', '.join(map(str, stopped))}; --max-whitespace 0 lets it go on)\n"
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ Pre-LayerNorm blocks, learned positions, causal attention through
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -141,12 +142,14 @@ class GPT(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        forbid: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Extend `idx` (B, T) by sampling `max_new_tokens` tokens; call it in eval mode.
 
         temperature 0 picks the most likely token; `top_k` keeps the k most likely, `top_p`
         the smallest set whose probability reaches p (nucleus sampling); `generator` makes
-        sampling reproducible without touching the global RNG.
+        sampling reproducible without touching the global RNG; `forbid(idx)`, before each
+        token, marks (B, vocab) the tokens it must not be.
         """
         if not temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -156,6 +159,8 @@ class GPT(nn.Module):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1, :].float()  # (B, vocab)
+            if forbid is not None:
+                logits = logits.masked_fill(forbid(idx), float("-inf"))
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
