@@ -155,10 +155,20 @@ def test_resume_from_a_checkpoint_after_the_skip_equals_the_uninterrupted_run(
         assert scales == [2.0**9, 2.0**9]
 
 
-def test_validation_during_training_leaves_the_run_bitwise_the_same() -> None:
-    runs = [_fit(guarded=True, dropout=0.2, val_every=every)[1] for every in (None, 2)]
+def test_validation_changes_the_plain_run_and_leaves_the_guarded_one_bitwise_the_same() -> None:
+    """A validation step that draws from the global RNG (here `torch.rand(1)`) changes the
+    dropout masks of every plain step after it; under GuardCallback validation runs inside
+    `rng_isolated`, so the guarded run equals the plain run without validation, bit for bit."""
     last = 2 * STEPS_PER_EPOCH
-    assert _same(runs[0].snaps[last], runs[1].snaps[last])
+    runs = {
+        (guarded, every): _fit(guarded=guarded, nan_at=None, dropout=0.2, val_every=every)[1]
+        for guarded in (True, False)
+        for every in (None, 2)
+    }
+    snaps = {key: rec.snaps[last] for key, rec in runs.items()}
+    assert _same(snaps[True, None], snaps[False, None])  # no validation: guarded == plain
+    assert _same(snaps[True, 2], snaps[True, None])  # guarded: validation changes nothing
+    assert not _same(snaps[False, 2], snaps[False, None])  # plain: validation changes training
 
 
 def test_a_missing_lightning_is_a_one_line_error_naming_the_extra() -> None:
