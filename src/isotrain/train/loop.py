@@ -59,6 +59,7 @@ from isotrain.train.weights.load import build_model
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 
 log = logging.getLogger(__name__)
+Origin = Mapping[str, str] | None  # dotted setting -> `--preset NAME`, `--config FILE`, `flag`
 
 MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
 STEP_SIZE = (
@@ -82,7 +83,9 @@ class TrainingStopped(Exception):
         self.signum, self.step = signum, step
 
 
-def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+def setup(
+    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+) -> Run:
     """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule.
 
     With `lock`, the run directory's lock is taken first (before the tokenizer or anything
@@ -92,7 +95,7 @@ def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     info = init_distributed(cfg.parallel.mode, cfg.device)
     if lock is not None:
         lock.enter_context(lock_run(cfg.out_dir, info))
-    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
+    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main, origin=origin)
     cfg, precision = resolve_precision(cfg, info)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
@@ -219,12 +222,14 @@ def _loss_line(run: Run, val: float, baseline: float) -> str:
     return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
 
 
-def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+def start(
+    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+) -> Run:
     """Setup (under `lock`, see `setup`), then resume when the run directory holds a
     snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
-    run = setup(cfg, lock=lock)
+    run = setup(cfg, lock=lock, origin=origin)
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(
@@ -236,11 +241,11 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     return run
 
 
-def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> TrainState:
+def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
 
-    `origin` (dotted setting -> `--preset NAME`, `--config FILE` or `flag`) lets the header
-    say where the settings came from. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
+    `origin` lets the header say where the settings came from, and `--init-from` warn only
+    about the flags it overrides. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
     """
     with (
         flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
@@ -249,7 +254,7 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
         stop_on_signals() as stop,
         contextlib.ExitStack() as held,
     ):
-        run = start(cfg, lock=held)
+        run = start(cfg, lock=held, origin=origin)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         baseline = data_mod.unigram_entropy(run.batches.corpus)
         with (
