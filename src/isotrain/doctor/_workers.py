@@ -16,7 +16,6 @@ import os
 import random
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -25,7 +24,7 @@ from isotrain.doctor._finding import Finding
 
 __all__ = ["check_worker_seed"]
 
-_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.Generator)
+_NUMPY_GENERATORS = ("Generator", "RandomState")  # numpy.random's (numpy is not imported here)
 _TIMEOUT_S = 60.0
 
 
@@ -74,11 +73,17 @@ def _epoch(loader: DataLoader[Any], seeds: torch.Generator) -> dict[int, list[by
     return seen
 
 
+def _is_generator(v: Any) -> bool:
+    kind = type(v)
+    from_numpy = kind.__module__.startswith("numpy.random") and kind.__name__ in _NUMPY_GENERATORS
+    return from_numpy or isinstance(v, (random.Random, torch.Generator))
+
+
 def _held(dataset: Any) -> list[str]:
     """The dataset's attributes that hold a random generator of their own."""
     return [
         f"{k} ({type(v).__module__.split('.')[0]}.{type(v).__name__})"
-        for k, v in getattr(dataset, "__dict__", {}).items() if isinstance(v, _GENERATORS)
+        for k, v in getattr(dataset, "__dict__", {}).items() if _is_generator(v)
     ]  # fmt: skip
 
 
