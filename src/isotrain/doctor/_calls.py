@@ -117,6 +117,7 @@ def _probabilities(x: torch.Tensor) -> str | None:
         return None
     with torch.no_grad():
         v = x.detach().float()
+        # sync: the doctor's measurement inside the traced step (its own call, not the user's)
         if not bool(torch.isfinite(v).all()) or bool(v.min() < 0):
             return None
         dim = 1 if v.dim() > 1 else 0
