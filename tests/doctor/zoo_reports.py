@@ -165,7 +165,7 @@ class SeqRNN(nn.Module):
         super().__init__()
         self.rnn, self.out = nn.RNN(8, 16, batch_first=True), nn.Linear(16, 4)
 
-    def forward(self, x: torch.Tensor, h: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, h: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         y, h = self.rnn(x, h)
         return self.out(y[:, -1]), h
 
