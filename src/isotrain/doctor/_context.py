@@ -68,6 +68,7 @@ class Context:
     loss_falls: bool | None = None  # the user's declaration: None = judge by the setup
     asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
     cache: dict[str, Any] = field(default_factory=dict)
+    source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     snapshot: Snapshot = field(init=False)
 
     def __post_init__(self) -> None:

@@ -40,6 +40,17 @@ KINDS: dict[str, str] = {
     "graph_break": "torch.compile splits a block's graph, with the reasons",
     "recompile": "your batches make torch.compile compile again (varying shapes)",
     "memory": "saved activation bytes per block and the checkpointing policy that halves them",
+    "labels_not_shifted": "a language model's targets equal its input tokens at the same position",
+    "padding_in_loss": "labels where the attention mask is 0 are not the loss's ignore index",
+    "loss_broadcast": "an elementwise loss's input and target differ in shape and broadcast",
+    "softmax_before_loss": "cross_entropy or nll_loss receive probabilities, not logits",
+    "graph_retained": "tensors with their autograd graph outlive the step; the graph grows",
+    "stale_gradient": "optimizer.step() receives earlier steps' gradients too (no zero_grad)",
+    "accumulation_scale": "with k micro-batches the applied gradient is k (or 1/k) times the mean",
+    "batch_size_mismatch": "the tensors of one batch disagree on how many samples it holds",
+    "autocast_not_applied": "inside an autocast region, matmul-class ops run in float32",
+    "lr_collapse": "the learning rate falls more than 100x within the examined steps",
+    "dataloader_worker_seed": "DataLoader workers share a random state: augmentations repeat",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
 }
 
