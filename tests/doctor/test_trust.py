@@ -151,3 +151,16 @@ def test_an_lstm_in_a_script_that_never_compiles_is_information_naming_allow_rnn
     setup = {**correct.gru_compiled(), "model": model, "optimizer": zoo.adamw(model)}
     (f,) = examine(**setup, checks="all").of("graph_break")
     assert f.severity == "info" and "allow_rnn=True" in f.fix and ".item()" not in f.fix
+
+
+def test_an_accumulation_step_returning_its_scaled_loss_is_judged_on_its_cross_entropy() -> None:
+    def step(model: torch.nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(batch[0].chunk(4), batch[1].chunk(4), strict=True):
+            loss = torch.nn.functional.cross_entropy(model(xs), ys) / 4  # as nanoGPT scales it
+            loss.backward()
+        opt.step()
+        return loss.detach()  # the last micro-batch's scaled loss: ~ln(4) / 4
+
+    d = examine(**zoo.mlp_setup(step=step), checks=["loss_at_init", "accumulation_scale"])
+    assert d.findings == [], d

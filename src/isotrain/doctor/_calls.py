@@ -94,6 +94,7 @@ class LossCall:
     reduction: str
     probabilities: str | None  # evidence that the input rows are probabilities
     softmax_at: str | None  # where the softmax that made the input ran
+    value: float | None = None  # the mean-reduced loss it returned
 
 
 @dataclass
@@ -145,6 +146,8 @@ class _CallMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         if call is not None:
             scalar = isinstance(out, torch.Tensor) and out.numel() == 1
+            if scalar and call.reduction == "mean":
+                call.value = float(out.detach().float())  # sync: the doctor's, not the step's
             if scalar and call.reduction == "mean" and out.requires_grad:
                 w.last_loss = out  # the loss the reference gradient differentiates
             w.calls.append(call)

@@ -20,6 +20,7 @@ from torch import nn
 from isotrain.doctor._context import CannotRun, Context, as_loss
 from isotrain.doctor._finding import Finding, Severity
 from isotrain.doctor._probe import probe_ok
+from isotrain.doctor._trace import trace
 
 __all__ = ["check_loss_at_init", "check_overfit"]
 
@@ -108,20 +109,32 @@ def _classes(ctx: Context, model: nn.Module) -> int:
     return int(logits.shape[-1])
 
 
+def _first_loss(ctx: Context) -> float:
+    """The first step's first mean cross-entropy (what a step returns may be scaled for
+    accumulation or hold other terms), else the loss the step returned."""
+    p = probe_ok(ctx)
+    tr = trace(ctx)
+    calls = [] if tr.error is not None else tr.watch.calls
+    for c in calls:
+        if c.step == 0 and c.name in ("cross_entropy", "nll_loss") and c.value is not None:
+            return c.value
+    if p.loss is None:
+        raise CannotRun("the step returns no loss tensor")
+    return p.loss
+
+
 def check_loss_at_init(ctx: Context) -> list[Finding]:
     """loss_at_init: for lm/classification, the first loss against ln(number of classes): a
     warning beyond twice it (or below half: a leak?), info when moderately off."""
     if ctx.task not in ("lm", "classification"):
         raise CannotRun('needs task="lm" or task="classification" to know the expected loss')
-    p = probe_ok(ctx)
-    if p.loss is None:
-        raise CannotRun("the step returns no loss tensor")
+    first = _first_loss(ctx)
     model, _ = ctx.fresh()
     n = _classes(ctx, model)
     expected = math.log(n)
-    if math.isfinite(p.loss) and abs(p.loss - expected) <= max(0.5, 0.25 * expected):
+    if math.isfinite(first) and abs(first - expected) <= max(0.5, 0.25 * expected):
         return []
-    far = not math.isfinite(p.loss) or not 0.5 * expected <= p.loss <= 2 * expected
+    far = not math.isfinite(first) or not 0.5 * expected <= first <= 2 * expected
     sev: Severity = "warning" if far else "info"
     fix = (
         "initialise the output layer small (std ~0.02, or zeros), check the targets "
@@ -131,7 +144,7 @@ def check_loss_at_init(ctx: Context) -> list[Finding]:
     )
     return [Finding(
         "loss_at_init", sev, "your step",
-        f"first loss {p.loss:.4g}, expected about ln({n}) = {expected:.4g} for a model "
+        f"first loss {first:.4g}, expected about ln({n}) = {expected:.4g} for a model "
         "that starts out guessing uniformly",
         fix,
     )]  # fmt: skip
