@@ -164,3 +164,16 @@ def test_an_accumulation_step_returning_its_scaled_loss_is_judged_on_its_cross_e
 
     d = examine(**zoo.mlp_setup(step=step), checks=["loss_at_init", "accumulation_scale"])
     assert d.findings == [], d
+
+
+def test_the_state_a_step_keeps_in_globals_is_put_back_between_checks_and_at_the_end() -> None:
+    from tests.doctor import zoo_reports
+
+    setup = zoo_reports.setup_hidden(True)  # carries an RNN's hidden state in a global dict
+    zoo_reports.RUNNING["h"] = h = torch.zeros(1, 4, 16)
+    zoo.LOGGED[:] = [1.0]
+    d = examine(**setup, checks="all")
+    no_alarm(d)  # each check starts from the same hidden state: no "nondeterminism"
+    assert zoo_reports.RUNNING["h"] is h and not h.any()
+    examine(**zoo.mlp_setup(step=zoo.step_with_item), checks=["host_sync", "cannot_overfit"])
+    assert zoo.LOGGED == [1.0]  # the step appended dozens of losses; the list is as it was

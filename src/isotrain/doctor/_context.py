@@ -18,6 +18,7 @@ from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng
 from isotrain._torch_private import tree_leaves
+from isotrain.doctor._globals import StepState
 from isotrain.doctor._snapshot import Snapshot
 
 __all__ = [
@@ -70,13 +71,17 @@ class Context:
     cache: dict[str, Any] = field(default_factory=dict)
     source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     snapshot: Snapshot = field(init=False)
+    step_state: StepState = field(init=False)
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
+        self.step_state = StepState(self.step, self.eval_fn)
 
     def reset(self) -> None:
-        """Put the user's objects, global flags and RNG back as examine found them."""
+        """Put the user's objects, the state their step keeps in globals, global flags and
+        RNG back as examine found them."""
         self.snapshot.restore()
+        self.step_state.restore()
         restore_rng(self.rng)
 
     def fresh(self) -> tuple[nn.Module, Any]:

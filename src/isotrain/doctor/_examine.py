@@ -281,7 +281,8 @@ def examine(
 
     Runs your step on your own `model` and `optimizer` (one, or a list: a GAN's two) and
     puts everything back after each check: parameters, grads, buffers, optimizer state,
-    schedulers bound to it, the RNGs and every global flag are as before when it returns.
+    schedulers bound to it, what your step keeps in globals (a hidden state, a list of
+    losses), the RNGs and every global flag are as before when it returns.
     `batches`: a list, a DataLoader or any iterable (its first 8). `step(model, optimizer,
     batch) -> loss` is your own training step; without it `loss_fn(model, batch) -> loss`
     drives a plain one, and a dict batch needs neither when the model returns `.loss`
