@@ -214,9 +214,9 @@ class TrainConfig:
     """Seed for initialisation, batches and dropout."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: the faster of fp32 and bf16 on this device for this model (a short probe, cached
-    per machine); bf16/fp16 autocast (fp16 adds a GradScaler); fp32: none."""
+    precision: Literal["auto", "fp32", "bf16", "bf16-matmul", "fp16"] = "auto"
+    """auto: the fastest of fp32, bf16 and bf16-matmul (attention in fp32) for this model
+    here (a short probe, cached); bf16/fp16: autocast (fp16 adds a GradScaler)."""
     subnormals: Literal["flush", "keep"] = "flush"
     """CPU float math: flush values below 1.2e-38 to zero, which x86 cores otherwise compute on
     a slow path (an fp32 step can take twice as long); keep: IEEE behaviour."""

@@ -137,7 +137,7 @@ def prepare_model(
         quantize_linear_layers(
             model, bits=cfg.quant.bits, activations=cfg.quant.activations, exclude=["lm_head"]
         )
-    if cfg.precision == "bf16" and info.device.type == "cpu":
+    if cfg.precision in ("bf16", "bf16-matmul") and info.device.type == "cpu":
         bf16_linear_layers(model)  # fast operand layouts where the CPU lacks native bf16
     apply_activation_checkpointing(
         model, policy=cfg.checkpointing.policy, modules=(Block,), example_inputs=example

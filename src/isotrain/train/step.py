@@ -8,7 +8,7 @@ norm and skip decision stay on the device until a log step reads them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,17 +18,30 @@ from isotrain.train.parallel import all_reduce_mean, no_grad_sync
 from isotrain.train.state import Run
 from isotrain.train.update.optim import lr_at, set_lr
 
-__all__ = ["evaluate", "forward", "precision_context", "train_step"]
+__all__ = ["AUTOCAST", "evaluate", "forward", "precision_context", "train_step"]
+
+# The autocast of each low precision: its dtype, and where attention runs.
+AUTOCAST: dict[str, tuple[torch.dtype, Literal["autocast", "fp32"]]] = {
+    "bf16": (torch.bfloat16, "autocast"),
+    "bf16-matmul": (torch.bfloat16, "fp32"),
+    "fp16": (torch.float16, "autocast"),
+}
 
 
 def precision_context(
     precision: str, device: torch.device
 ) -> contextlib.AbstractContextManager[Any]:
-    """The autocast context of `precision` ("fp32": none) for forward passes on `device`."""
+    """The autocast context of `precision` ("fp32": none; "bf16-matmul": bf16 with attention
+    in fp32) for forward passes on `device`."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return autocast_if_available(dtype, device=device)
+    if precision not in AUTOCAST:
+        raise ValueError(
+            f"precision {precision!r} has no autocast context: resolve 'auto' first "
+            f"(setup does), or pass one of 'fp32', {', '.join(map(repr, AUTOCAST))}"
+        )
+    dtype, attention = AUTOCAST[precision]
+    return autocast_if_available(dtype, device=device, attention=attention)
 
 
 def forward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
