@@ -8,24 +8,18 @@ norm and skip decision stay on the device until a log step reads them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
+from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.train.parallel import all_reduce_mean, no_grad_sync
+from isotrain.train.precision import autocast_for
 from isotrain.train.state import Run
 from isotrain.train.update.optim import lr_at, set_lr
 
-__all__ = ["AUTOCAST", "evaluate", "forward", "precision_context", "train_step"]
-
-# The autocast of each low precision: its dtype, and where attention runs.
-AUTOCAST: dict[str, tuple[torch.dtype, Literal["autocast", "fp32"]]] = {
-    "bf16": (torch.bfloat16, "autocast"),
-    "bf16-matmul": (torch.bfloat16, "fp32"),
-    "fp16": (torch.float16, "autocast"),
-}
+__all__ = ["evaluate", "forward", "precision_context", "train_step"]
 
 
 def precision_context(
@@ -33,15 +27,7 @@ def precision_context(
 ) -> contextlib.AbstractContextManager[Any]:
     """The autocast context of `precision` ("fp32": none; "bf16-matmul": bf16 with attention
     in fp32) for forward passes on `device`."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    if precision not in AUTOCAST:
-        raise ValueError(
-            f"precision {precision!r} has no autocast context: resolve 'auto' first "
-            f"(setup does), or pass one of 'fp32', {', '.join(map(repr, AUTOCAST))}"
-        )
-    dtype, attention = AUTOCAST[precision]
-    return autocast_if_available(dtype, device=device, attention=attention)
+    return autocast_for(precision, device)
 
 
 def forward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
