@@ -25,9 +25,10 @@ from isotrain.compile import compile_counters, compile_model, no_recompiles, war
 from isotrain.contexts import flush_subnormals, rng_isolated
 from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.data import batches as data_mod
-from isotrain.train.environment import memory_for
+from isotrain.train.environment import gib, memory_for, require_memory
 from isotrain.train.inputs import load_inputs
 from isotrain.train.model.gpt import GPT, Block
+from isotrain.train.model.memory import step_memory
 from isotrain.train.model.sampling import prompt_from, sample
 from isotrain.train.parallel import (
     DistInfo,
@@ -38,7 +39,7 @@ from isotrain.train.parallel import (
     wrap_model,
 )
 from isotrain.train.precision import resolve_precision
-from isotrain.train.report.header import run_facts, settings_lines
+from isotrain.train.report.header import loss_line, run_facts, settings_lines
 from isotrain.train.report.loggers import MetricsWriter, write_config_file
 from isotrain.train.report.progress import Reporter, where_and_next
 from isotrain.train.rundir.lock import lock_run
@@ -61,10 +62,8 @@ __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 log = logging.getLogger(__name__)
 
 MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
-STEP_SIZE = (
-    "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per "
-    "step), or pass --checkpointing.policy full"
-)
+BATCH = "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per step)"
+STEP_SIZE = f"{BATCH}, or pass --checkpointing.policy full"
 
 
 class TrainingStopped(Exception):
@@ -97,7 +96,11 @@ def setup(
     info = init_distributed(cfg.parallel.mode, cfg.device)
     if lock is not None:
         lock.enter_context(lock_run(cfg.out_dir, info))
+    _fits(cfg, info)  # the shape as given: before a tokenizer is learned or weights are read
+    shape = cfg.model
     cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
+    if cfg.model != shape:  # --init-from's shape, the tokenizer's vocabulary
+        _fits(cfg, info)
     cfg, precision = resolve_precision(cfg, info, measure_now=measure_precision)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
@@ -114,6 +117,21 @@ def setup(
     run = Run(cfg, info, batches, model, train_model, optimizer, updater)
     run.tokenizer, run.precision_note = tokenizer, precision
     return run
+
+
+def _fits(cfg: TrainConfig, info: DistInfo) -> None:
+    """Refuse a shape whose training step cannot fit in this machine's memory, counted before
+    anything is built (NOTE [step memory])."""
+    ckpt = cfg.checkpointing.policy != "none"
+    shards = info.world_size if cfg.parallel.mode == "fsdp" else 1
+    need = step_memory(
+        cfg.model, cfg.data.batch_size, checkpointed=ckpt, low_precision=cfg.precision != "fp32",
+        shards=shards,
+    )  # fmt: skip
+    what = f"model and AdamW state {gib(need.state)}, activations {gib(need.activations)}"
+    lower = [MODEL_SIZE] if 4 * need.state >= need.total else []  # what takes the memory
+    lower += [BATCH if ckpt else STEP_SIZE] if 4 * need.activations >= need.total else []
+    require_memory(need.total, info.device, what=what, lower=", or ".join(lower))
 
 
 def _warn_short_warmup(cfg: TrainConfig) -> None:
@@ -206,22 +224,13 @@ def _evaluate_and_record(
     run.eval_step = st.step
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
-    reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")
+    reporter.line(f"eval step {st.step}: {loss_line(run, val, baseline)}")
 
 
 def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
     """Each loss per token as bits per byte of text (`NAME_bpb`), when the bytes are known."""
     out = {f"{k}_bpb": data_mod.bits_per_byte(v, run.batches.corpus) for k, v in losses.items()}
     return {k: v for k, v in out.items() if v is not None}
-
-
-def _loss_line(run: Run, val: float, baseline: float) -> str:
-    """Validation loss (per token, and in bits per byte when known) beside the unigram
-    baseline to beat, in one line that fits 80 columns."""
-    unit = "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token"
-    bpb = data_mod.bits_per_byte(val, run.batches.corpus)
-    in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
-    return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
 
 
 def start(

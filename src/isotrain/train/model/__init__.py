@@ -2,6 +2,6 @@
 
 `gpt` is the pure `nn.Module` and its `GPTConfig`, `hf` maps its weights to and from
 Hugging Face GPT-2 names, `sampling` draws text through a tokenizer with every mode and RNG
-put back. Imports `data` (tokenizers) and `fields` only; reading weights from files is
-`weights`' job.
+put back, `memory` counts the least memory a training step of a shape takes. Imports `data`
+(tokenizers) and `fields` only; reading weights from files is `weights`' job.
 """

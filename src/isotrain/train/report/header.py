@@ -9,9 +9,10 @@ from collections.abc import Mapping
 import torch
 
 from isotrain.train.config import flag
+from isotrain.train.data import batches as data_mod
 from isotrain.train.state import Run
 
-__all__ = ["run_facts", "settings_lines"]
+__all__ = ["loss_line", "run_facts", "settings_lines"]
 
 
 def run_facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
@@ -51,3 +52,12 @@ def settings_lines(origin: Mapping[str, str]) -> list[str]:
     flags = [flag(k) for k, v in origin.items() if v == "flag"]
     parts += [f"flags {' '.join(flags)}"] if flags else []
     return [f"settings   {', '.join(parts)}"] if parts else []
+
+
+def loss_line(run: Run, val: float, baseline: float) -> str:
+    """Validation loss (per token, and in bits per byte when known) beside the unigram
+    baseline to beat, in one line that fits 80 columns."""
+    unit = "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token"
+    bpb = data_mod.bits_per_byte(val, run.batches.corpus)
+    in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
+    return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
