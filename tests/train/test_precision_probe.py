@@ -92,7 +92,8 @@ def test_a_probe_past_its_budget_trains_in_fp32_and_says_so(
     assert fake.now == 13.0  # fp32 4 s, bf16 9 s; bf16-matmul (guess: 9 s) would end past 10 s
     assert (
         "precision  fp32 (auto: this CPU has AVX512-BF16 but no AMX tiles; the probe stopped at "
-        "its 10 s budget after 2 step(s) (13 s), so fp32 without measuring; raise "
+        "its 10 s budget after 2 step(s) (13 s), before every mode was timed, so the run takes "
+        "fp32; raise "
         "--precision-probe-seconds, or pass --precision bf16 or bf16-matmul to choose yourself)"
     ) in out
     assert 'precision = "fp32"' in (run / "config.toml").read_text()

@@ -107,8 +107,8 @@ def _over_budget(cfg: TrainConfig, why: str, result: Measurement) -> PrecisionCh
     return PrecisionChoice(
         "fp32",
         f"{why}; the probe stopped at its {budget:g} s budget after {result.steps} step(s) "
-        f"({result.seconds:.0f} s), so fp32 without measuring; raise --precision-probe-seconds, "
-        "or pass --precision bf16 or bf16-matmul to choose yourself",
+        f"({result.seconds:.0f} s), before every mode was timed, so the run takes fp32; raise "
+        "--precision-probe-seconds, or pass --precision bf16 or bf16-matmul to choose yourself",
     )
 
 
