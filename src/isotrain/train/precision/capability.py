@@ -39,16 +39,17 @@ def cpu_flags() -> set[str]:
 
 
 def cpu_bf16(flags: set[str]) -> str:
-    """What the flags say of bf16: `AMX tiles (...)`, `AVX512-BF16 but no AMX tiles`, ..."""
+    """What the flags say of bf16, after "this CPU": `has AMX tiles (...)`, `has AVX512-BF16
+    but no AMX tiles`, `has neither AMX tiles nor AVX512-BF16`, ..."""
     if {"amx_bf16", "amx_tile"} <= flags:
-        return "AMX tiles (amx_bf16, amx_tile)"
+        return "has AMX tiles (amx_bf16, amx_tile)"
     if "avx512_bf16" in flags:
-        return "AVX512-BF16 but no AMX tiles"
+        return "has AVX512-BF16 but no AMX tiles"
     if "bf16" in flags:  # Arm's BF16 extension (Features: ... bf16 ...)
-        return "Arm BF16 instructions"
+        return "has Arm BF16 instructions"
     if not flags:
-        return "no flags to read (no /proc/cpuinfo)"
-    return "neither AMX tiles nor AVX512-BF16"
+        return "shows no flags (no /proc/cpuinfo)"
+    return "has neither AMX tiles nor AVX512-BF16"
 
 
 def device_name(device: torch.device) -> str:
@@ -65,7 +66,7 @@ def bf16_native(device: torch.device) -> tuple[bool, str]:
         return has, f"{device_name(device)} {'has' if has else 'has no'} bf16"
     if device.type != "cpu":
         return False, f"bf16 is not probed on {device.type}"
-    words = f"this CPU has {cpu_bf16(cpu_flags())}"
+    words = f"this CPU {cpu_bf16(cpu_flags())}"
     if native_bf16_matmul():
         return True, words
     return False, f"{words}: bf16 is emulated (AVX2), so fp32 is faster"
