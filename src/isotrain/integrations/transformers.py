@@ -17,6 +17,7 @@ from torch import nn
 from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.guard import GuardedOptimizer, SkipReason
 from isotrain.integrations._extra import missing_extra
+from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -54,8 +55,10 @@ class GuardedTrainer(Trainer):
 
     ``guard_options`` go to ``StepGuard`` (``spike_k``, ``skip_mode``, ...); ``max_norm`` is
     ``args.max_grad_norm`` (0: no clipping). Logs gain ``skipped_steps`` (skips since the last
-    log) and ``skip_reason`` (their ``SkipReason`` names, ``"OK"`` for none). Combine with your
-    own subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``.
+    log) and ``skip_reason`` (their ``SkipReason`` names, ``"OK"`` for none). ``checkpointing``
+    (a policy such as ``"full"``) and ``compile_blocks`` (True, or compile_model's keywords)
+    are applied to the model here: NOTE [patterns in trainers]. Combine with your own
+    subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``.
 
     Example::
 
@@ -69,6 +72,8 @@ class GuardedTrainer(Trainer):
         *args: Any,
         guard_options: dict[str, Any] | None = None,
         isolate_eval: bool = True,
+        checkpointing: CheckpointingOption = None,
+        compile_blocks: CompileOption = False,
         **kwargs: Any,
     ) -> None:
         missing = [m for m in _OVERRIDDEN if not hasattr(Trainer, m)]
@@ -83,7 +88,10 @@ class GuardedTrainer(Trainer):
                 "GuardedTrainer takes max_norm from args.max_grad_norm and the scaler from "
                 "accelerate: leave them out of guard_options"
             )
+        patterns = Patterns(checkpointing, compile_blocks, "GuardedTrainer")
         super().__init__(*args, **kwargs)
+        if patterns:
+            self._apply_patterns(patterns)
         if self.args.fp16 and not getattr(self.accelerator, "native_amp", True):
             warnings.warn(
                 f"GuardedTrainer: fp16=True, but accelerate runs no fp16 autocast and no "
@@ -94,6 +102,24 @@ class GuardedTrainer(Trainer):
         self.guard_options, self.isolate_eval = options, isolate_eval
         self._logged_skips = [0] * len(SkipReason)
         self.add_callback(_LogBaseline(self))
+
+    def _apply_patterns(self, patterns: Patterns) -> None:
+        """NOTE [patterns in trainers]; refuses what would apply a pattern twice or not at all."""
+        clash = [
+            f"{mine} and args.{theirs}=True both ask for it"
+            for mine, theirs, given in (
+                ("checkpointing", "gradient_checkpointing", patterns.checkpointing is not None),
+                ("compile_blocks", "torch_compile", patterns.compile is not None),
+            )
+            if given and getattr(self.args, theirs, False)
+        ]
+        if clash or self.model_init is not None or self.model is None:
+            why = "; ".join(clash) or "model_init builds a new model at each train()"
+            raise ValueError(
+                f"GuardedTrainer(checkpointing=, compile_blocks=): {why}. Use isotrain's "
+                "options or Trainer's, not both, with model= (or apply them inside model_init)"
+            )
+        patterns.apply(self.model)
 
     def _guarded(self) -> GuardedOptimizer | None:
         opt = self.optimizer

@@ -15,10 +15,12 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from isotrain.train.fields import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LAUNCHER",
@@ -70,6 +72,8 @@ def memory_for(what: str, *, lower: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, MemoryError) as e:
+        import torch  # imported by then: the block ran torch
+
         text = str(e)
         oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
         if not oom and not any(m in text.lower() for m in _OOM):
@@ -84,6 +88,8 @@ def available_memory(device: torch.device) -> int | None:
     a CPU MemAvailable plus free swap (shared by the local ranks), on CUDA what is free plus
     what torch holds unused."""
     if device.type == "cuda":
+        import torch  # imported by then: `device` is a torch.device
+
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type != "cpu":
@@ -124,6 +130,8 @@ def check_device(name: str) -> None:
     """Refuse a device this machine does not have, before anything is built."""
     if name == "auto":
         return
+    import torch  # not at the top: the CLI parses its flags before torch is imported
+
     try:
         dev = torch.device(name)
     except RuntimeError:

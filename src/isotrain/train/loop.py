@@ -39,7 +39,7 @@ from isotrain.train.parallel import (
     wrap_model,
 )
 from isotrain.train.precision import resolve_precision
-from isotrain.train.report.header import loss_line, run_facts, settings_lines
+from isotrain.train.report.header import loss_line, precision_line, run_facts, settings_lines
 from isotrain.train.report.loggers import MetricsWriter, write_config_file
 from isotrain.train.report.progress import Reporter, where_and_next
 from isotrain.train.rundir.lock import lock_run
@@ -60,6 +60,7 @@ from isotrain.train.weights.load import build_model
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 
 log = logging.getLogger(__name__)
+Origin = Mapping[str, str] | None  # dotted setting -> `--preset NAME`, `--config FILE`, `flag`
 
 MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
 BATCH = "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per step)"
@@ -82,7 +83,11 @@ class TrainingStopped(Exception):
 
 
 def setup(
-    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, measure_precision: bool = True
+    cfg: TrainConfig,
+    *,
+    lock: contextlib.ExitStack | None = None,
+    origin: Origin = None,
+    measure_precision: bool = True,
 ) -> Run:
     """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule.
 
@@ -98,7 +103,7 @@ def setup(
         lock.enter_context(lock_run(cfg.out_dir, info))
     _fits(cfg, info)  # the shape as given: before a tokenizer is learned or weights are read
     shape = cfg.model
-    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
+    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main, origin=origin)
     if cfg.model != shape:  # --init-from's shape, the tokenizer's vocabulary
         _fits(cfg, info)
     cfg, precision = resolve_precision(cfg, info, measure_now=measure_precision)
@@ -234,13 +239,17 @@ def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
 
 
 def start(
-    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, measure_precision: bool = True
+    cfg: TrainConfig,
+    *,
+    lock: contextlib.ExitStack | None = None,
+    origin: Origin = None,
+    measure_precision: bool = True,
 ) -> Run:
-    """Setup (under `lock`; `measure_precision`: see `setup`), then resume when the run
-    directory holds a snapshot (or `--resume` asks)."""
+    """Setup (under `lock`; `origin` and `measure_precision`: see `setup`), then resume when
+    the run directory holds a snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
-    run = setup(cfg, lock=lock, measure_precision=measure_precision)
+    run = setup(cfg, lock=lock, origin=origin, measure_precision=measure_precision)
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(
@@ -252,11 +261,11 @@ def start(
     return run
 
 
-def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> TrainState:
+def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
 
-    `origin` (dotted setting -> `--preset NAME`, `--config FILE` or `flag`) lets the header
-    say where the settings came from. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
+    `origin` lets the header say where the settings came from, and `--init-from` warn only
+    about the flags it overrides. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
     """
     with (
         flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
@@ -265,13 +274,13 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
         stop_on_signals() as stop,
         contextlib.ExitStack() as held,
     ):
-        run = start(cfg, lock=held, measure_precision=False)
+        run = start(cfg, lock=held, origin=origin, measure_precision=False)
         st, main = run.state, run.dist.is_main
         baseline = data_mod.unigram_entropy(run.batches.corpus)
         with Reporter(
             total_steps=cfg.steps, enabled=main, live=cfg.progress, start_step=st.step
         ) as reporter:
-            facts = run_facts(run, st.step, precision=_precision_line(run, origin), flushed=flushed)
+            facts = run_facts(run, st.step, precision=precision_line(run, origin), flushed=flushed)
             reporter.header([*facts, *settings_lines(origin or {})])
             _measure_precision(run, reporter, stop)
             cfg = run.cfg
@@ -291,15 +300,6 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
                 _evaluate_and_record(run, reporter, metrics, baseline)
                 _finish(run, reporter, metrics, baseline, train_time, stop)
         return st
-
-
-def _precision_line(run: Run, origin: Mapping[str, str] | None) -> str:
-    """The header's precision: the setting and where it came from, or what auto chose (or is
-    about to measure) and why."""
-    precision = run.cfg.precision
-    if precision != "auto" and origin and origin.get("precision", "flag") != "flag":
-        return f"{precision} ({origin['precision']})"  # not a flag they passed
-    return run.precision_note or precision
 
 
 def _measure_precision(run: Run, reporter: Reporter, stop: StopFlag) -> None:

@@ -12,7 +12,7 @@ from isotrain.train.config import flag
 from isotrain.train.data import batches as data_mod
 from isotrain.train.state import Run
 
-__all__ = ["loss_line", "run_facts", "settings_lines"]
+__all__ = ["loss_line", "precision_line", "run_facts", "settings_lines"]
 
 
 def run_facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
@@ -61,3 +61,12 @@ def loss_line(run: Run, val: float, baseline: float) -> str:
     bpb = data_mod.bits_per_byte(val, run.batches.corpus)
     in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
     return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
+
+
+def precision_line(run: Run, origin: Mapping[str, str] | None) -> str:
+    """The header's precision: the setting and where it came from, or what auto chose (or is
+    about to measure) and why."""
+    precision = run.cfg.precision
+    if precision != "auto" and origin and origin.get("precision", "flag") != "flag":
+        return f"{precision} ({origin['precision']})"  # not a flag they passed
+    return run.precision_note or precision
