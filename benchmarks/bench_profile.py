@@ -1,11 +1,12 @@
-"""Where a training step goes, by op category: fp32 against bf16 autocast, eager and compiled.
+"""Where a training step goes, by op category: fp32, bf16 and bf16-matmul, eager and compiled.
 
-The isotrain step (train_step, guard on) on the tiny preset in four variants: fp32 and bf16
-autocast, each eager and with per-block torch.compile (inductor, in place). Two parts:
+The isotrain step (train_step, guard on) on the tiny preset in six variants: fp32, bf16
+autocast and bf16-matmul (bf16 autocast with attention in fp32), each eager and with
+per-block torch.compile (inductor, in place). Three parts:
 
 1. Timing: interleaved one-step rounds (order rotating) until every ratio's 95% interval is
-   within +-2% (stats.Stopper): tokens/s, bf16 against fp32, compiled against eager, and the
-   model FLOP rate against the best matmul rate of each dtype on this core.
+   within +-2% (stats.Stopper): tokens/s, each bf16 mode against fp32, compiled against eager,
+   and the model FLOP rate against the best matmul rate of each dtype on this core.
 2. Profile: torch.profiler over a few steps per variant. Each op's self CPU time goes to a
    category by its name (`category`): matmul, attention, norms and elementwise, casts and
    copies, compiled kernels (inductor's fused code, inside its compiled regions), and the
@@ -13,11 +14,14 @@ autocast, each eager and with per-block torch.compile (inductor, in place). Two 
    range around the updater). What no op covers is "Python and framework" (the trainer's and
    autograd's own code). The profiler inflates small ops; the table gives the profiled and the
    unprofiled step time.
+3. Ops: the step's big ops one by one, fp32 against bf16, forward and forward + backward, at
+   the `small` preset's shapes (`op_times.py`): which ops gain from bf16 on this core, so
+   whether bf16-matmul (attention kept in fp32) can beat both.
 
 On a CPU with native bf16, bf16 matmuls are fast, so a step that is barely faster in bf16
 spends its time outside the matmuls: the table says where.
 
-    python benchmarks/bench_profile.py          # ~5 minutes on 2 cores (two inductor compiles)
+    python benchmarks/bench_profile.py          # ~10 minutes on 2 cores (three inductor compiles)
     python benchmarks/bench_profile.py --quick  # seconds: "eager" compile backend, temp dir
 
 Writes profile.{md,json,png} into benchmarks/results/<cpu-kind>/.
@@ -56,6 +60,7 @@ from figures import pyplot
 from isotrain.compile import compile_available
 from loops import QUICK, TINY, Isotrain, build, interleave, skipped
 from loops import train_config as make_config
+from op_times import OP_SHAPE, QUICK_SHAPE, op_rows, op_table
 from stats import Stopper, fmt_ci, paired_ratios, summarize
 
 CATEGORIES = (
@@ -71,6 +76,7 @@ COLUMNS = ["variant", "ms/step (profiled)", *CATEGORIES]
 MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv", "dot", "layout_mm"}
 CASTS = {"_to_copy", "to", "copy_", "clone", "contiguous", "_copy_from", "_copy_from_and_resize"}
 UPDATE = "isotrain.update"
+PRECISIONS = ("fp32", "bf16", "bf16-matmul")
 
 
 def category(name: str) -> str | None:
@@ -146,7 +152,7 @@ def specs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     backend = args.backend
     ok, why = compile_available(backend, device="cpu")
     out = {}
-    for prec in ("fp32", "bf16"):
+    for prec in PRECISIONS:
         out[f"{prec} eager"] = (Isotrain, make_config(shape, precision=prec))
         if ok:
             out[f"{prec} compiled"] = (
@@ -158,9 +164,12 @@ def specs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
 
 
 def ratio_series(times: dict[str, list[float]]) -> dict[str, list[float]]:
+    pairs = [
+        (f"{p} {mode}", f"fp32 {mode}") for mode in ("eager", "compiled") for p in PRECISIONS[1:]
+    ]
+    pairs += [(f"{p} compiled", f"{p} eager") for p in PRECISIONS]
     out = {}
-    for a, b in (("bf16 eager", "fp32 eager"), ("bf16 compiled", "fp32 compiled"),
-                 ("fp32 compiled", "fp32 eager"), ("bf16 compiled", "bf16 eager")):  # fmt: skip
+    for a, b in pairs:
         if a in times and b in times and times[a]:
             out[f"{a} vs {b}"] = paired_ratios({"b": times[b], "a": times[a]}, "b")["a"]
     return out
@@ -191,6 +200,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             "profile_ms": profile_variant(v, args.profile_steps),  # type: ignore[arg-type]
         }
     skips = skipped(variants)
+    shape_ops = QUICK_SHAPE if args.quick else OP_SHAPE
+    ops = op_rows(shape_ops, rounds=args.op_rounds, clock_name=args.clock)
     res: dict[str, Any] = {
         "meta": run_meta("bench_profile.py", argv, load_before),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -201,6 +212,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
             p: max(r["gflops"] for r in rs if r["gflops"]) for p, rs in peaks.items()
         },
         "stopping": stopper.record(len(times[args.clock][next(iter(variants))])),
+        "ops": {"shape": shape_ops, "rounds": args.op_rounds, "rows": ops},
         "checks": {
             "no skipped steps": check(not any(skips.values()), f"skipped per variant: {skips}"),
             "profile categories": check(*_adds_up(rows)),
@@ -232,7 +244,7 @@ def verdicts(res: dict[str, Any]) -> list[str]:
 def markdown(res: dict[str, Any]) -> str:
     m, a = res["meta"], res["args"]
     lines = [
-        "# Where the step goes: fp32 and bf16, eager and per-block compiled",
+        "# Where the step goes: fp32, bf16 and bf16-matmul, eager and per-block compiled",
         "",
         f"Command: `{m['command']}`  ",
         f"Machine: {machine_line(m)}  ",
@@ -260,7 +272,17 @@ def markdown(res: dict[str, Any]) -> str:
         p = r["profile_ms"]
         cells = [f"{p[c]:.2f} ({100 * p[c] / p['total']:.0f}%)" for c in CATEGORIES]
         lines.append(f"| {n} | {p['total']:.2f} | " + " | ".join(cells) + " |")
-    return "\n".join([*lines, "", *res["notes"], "", *checks_md(res["checks"])])
+    o = res["ops"]
+    lines += ["", *res["notes"], "", f"Ops one by one ({_shape_words(o['shape'])}; {o['rounds']} "
+              "interleaved rounds of one call each; each dtype's own tensors, no autocast "
+              "casts; a time ratio: below 1, bf16 is faster):", "",
+              *op_table(o["rows"], fmt_ci)]  # fmt: skip
+    return "\n".join([*lines, "", *checks_md(res["checks"])])
+
+
+def _shape_words(s: dict[str, int]) -> str:
+    return (f"B {s['batch']}, T {s['block']}, d {s['d_model']}, {s['heads']} heads, "
+            f"vocabulary {s['vocab']}")  # fmt: skip
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -295,12 +317,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=5)
     p.add_argument("--sizes", type=int, nargs="+", default=[1024], help="square matmul n")
     p.add_argument("--peak-reps", type=int, default=3)
+    p.add_argument("--op-rounds", type=int, default=30, help="rounds of the ops table")
     args = p.parse_args(argv)
     args.clock = default_clock("cpu", args.threads)
     if args.quick:
         args.backend = "eager" if args.backend == "inductor" else args.backend
         args.rounds = args.min_rounds = 2
-        args.profile_steps, args.sizes, args.peak_reps = 2, [128], 1
+        args.profile_steps, args.sizes, args.peak_reps, args.op_rounds = 2, [128], 1, 2
     return args
 
 

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from isotrain.contexts import eval_mode
+from isotrain.contexts import autocast_if_available, eval_mode
 from isotrain.train.config import (
     CheckpointingConfig,
     CompileConfig,
@@ -140,6 +140,8 @@ class Variant:
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.cfg.precision == "fp32":
             return contextlib.nullcontext()
+        if self.cfg.precision == "bf16-matmul":  # attention in fp32: the public context
+            return autocast_if_available(torch.bfloat16, device=self.device, attention="fp32")
         return torch.autocast(self.device.type, dtype=DTYPES[self.cfg.precision])
 
     def build(self, *, fused: bool | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -184,7 +184,12 @@ EXPECTED = {
         "| precision | loop | ms/step [95% CI] | tokens/s | model GFLOP/step | achieved GFLOP/s "
         "| MFU % of the core peak [95% CI] | this dtype's best matmul, GFLOP/s "
         "| speed vs plain, same precision [95% CI] |",
-        {"equal losses, fp32", "equal losses, bf16", "no skipped steps"},
+        {
+            "equal losses, fp32",
+            "equal losses, bf16",
+            "equal losses, bf16-matmul",
+            "no skipped steps",
+        },
     ),
     "profile": (
         "| variant | ms/step (profiled) | matmul | attention | norms & elementwise "
@@ -304,6 +309,24 @@ def test_quick_run_compares_against_both_plain_loops(quick_run) -> None:
     assert mfu["core_peak"]["gflops"] == core  # the MFU denominator: the best of every dtype
     assert {r["dtype"] for r in mfu["peaks"]} == {"fp32", "bf16", "fp16"}
     assert "Subnormals: flushed to zero in every loop" in (out / "mfu.md").read_text()
+    assert {"isotrain bf16-matmul vs fp32", "isotrain bf16 vs fp32"} <= set(mfu["ratios"])
+
+
+@pytest.mark.slow
+def test_quick_run_profiles_three_precisions_and_times_the_ops_one_by_one(quick_run) -> None:
+    out: Path = quick_run["out"]  # type: ignore[assignment]
+    profile = json.loads((out / "profile.json").read_text())
+    assert {"bf16-matmul eager vs fp32 eager", "bf16 eager vs fp32 eager"} <= set(profile["ratios"])
+    ops = [r["op"].split(" (")[0] for r in profile["ops"]["rows"]]
+    assert ops == [
+        "qkv projection", "attention out projection", "MLP fc1", "MLP fc2", "LM head",
+        "SDPA causal",
+    ]  # fmt: skip
+    assert all(r["forward + backward"]["median"] > 0 for r in profile["ops"]["rows"])
+    text = (out / "profile.md").read_text()
+    assert (
+        "| op | bf16 / fp32 time, forward [95% CI] | bf16 / fp32 time, forward + backward" in text
+    )
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from isotrain.checkpointing import (
@@ -24,7 +25,7 @@ from isotrain.checkpointing import (
 )
 from isotrain.checkpointing import _wrap as ac_wrap
 from isotrain.checkpointing._wrap import is_checkpointed
-from isotrain.contexts import StateAudit
+from isotrain.contexts import StateAudit, autocast_if_available
 
 D, H, L, T, B, V = 32, 4, 4, 16, 2, 64
 UNIT = B * T * D * 4  # bytes of one fp32 (B, T, D) activation
@@ -307,6 +308,45 @@ def test_measure_leaves_state_alone() -> None:
     assert lean.recompute_flops is None and lean.total_bytes == report.total_bytes
     text = str(report)
     assert "| blocks.3 | yes |" in text and "recompute" in text
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_recompute_runs_under_the_forwards_fp32_attention(policy: str) -> None:
+    """Backward outside the `with`: the recomputation enters the forward's function modes."""
+    model, idx = make()
+    ref = copy.deepcopy(model)
+    apply_activation_checkpointing(model, policy=policy, modules=(Block,))
+    results = []
+    for m in (model, ref):
+        with autocast_if_available(device="cpu", attention="fp32"):
+            out = m(idx)
+        F.cross_entropy(out.float().flatten(0, 1), idx.flatten()).backward()
+        results.append((out.detach(), [p.grad.clone() for p in m.parameters()]))
+    assert_same(results[0], results[1])
+
+
+class DoubledGelu(TorchFunctionMode):
+    """A user's mode that changes what the forward computes (and so what recompute must)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func is F.gelu else out
+
+
+def test_seed_block_recomputes_under_the_forwards_function_modes() -> None:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        plain = CheckpointedTransformerBlock(D, H, checkpoint=False)
+        x = torch.randn(B, T, D)
+    block = copy.deepcopy(plain)
+    block.checkpoint_mode = "full"
+    results = []
+    for m in (plain, block):
+        with DoubledGelu():
+            y = m(x)
+        y.square().sum().backward()  # outside the mode, as training loops do
+        results.append((y.detach(), [p.grad.clone() for p in m.parameters()]))
+    assert_same(results[0], results[1])  # without the modes: same shapes, wrong gradients
 
 
 # ------------------------------------------------------------------------------- seed block

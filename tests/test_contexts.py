@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from isotrain._torch_private import DispatchMode, tree_leaves
 from isotrain.contexts import (
     AutocastInfo,
     autocast_if_available,
@@ -386,6 +387,110 @@ def test_autocast_restores_on_exception() -> None:
 def test_autocast_bad_input(kwargs, match: str) -> None:
     with pytest.raises(TypeError, match=match), autocast_if_available(**kwargs):
         pass
+
+
+# --------------------------------------------------------------- autocast, attention in fp32
+
+
+class Attn(nn.Module):
+    """qkv projection, causal SDPA, output projection: the ops whose dtypes matter."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = (
+            t.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, H, T, D)
+            for t in self.qkv(x).split(C, dim=2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class OpDtypes(DispatchMode):
+    """Records (op name, dtypes of its floating-point tensor inputs) for every aten op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs or {}))
+        dtypes = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
+        self.ops.append((func.__name__.split(".")[0], dtypes))
+        return func(*args, **(kwargs or {}))
+
+    def dtypes(self, *names: str) -> set[torch.dtype]:
+        found = [d for op, d in self.ops if op in names]
+        assert found, f"no {names} op ran"
+        return set().union(*found)
+
+
+def _op_dtypes(model: nn.Module, x: torch.Tensor, **kwargs) -> tuple[OpDtypes, torch.Tensor]:
+    with OpDtypes() as seen:
+        with autocast_if_available(device="cpu", **kwargs):
+            y = model(x)
+        y.float().square().sum().backward()
+    return seen, y
+
+
+SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
+SDPA_BACKWARD = ("_scaled_dot_product_flash_attention_for_cpu_backward",)
+
+
+def test_fp32_attention_runs_matmuls_in_bf16_and_attention_forward_and_backward_in_fp32():
+    torch.manual_seed(0)
+    model, x = Attn(), torch.randn(2, 8, 32, requires_grad=True)
+    seen, y = _op_dtypes(model, x, attention="fp32")
+    assert seen.dtypes("addmm", "mm") == {torch.bfloat16}  # projections, forward and backward
+    assert seen.dtypes(*SDPA_OPS) == {torch.float32}
+    assert seen.dtypes(*SDPA_BACKWARD) == {torch.float32}
+    assert y.dtype == torch.bfloat16  # cast back: the next layer gets what autocast gives it
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    plain, _ = _op_dtypes(model, x)  # the control: plain autocast runs attention in bf16
+    assert plain.dtypes(*SDPA_OPS) == {torch.bfloat16}
+    assert torch.bfloat16 in plain.dtypes(*SDPA_BACKWARD)  # with its fp32 logsumexp
+
+
+def test_fp32_attention_reports_itself_and_refuses_an_unknown_mode() -> None:
+    info = resolve_autocast(device="cpu", attention="fp32")
+    assert info.attention == "fp32"
+    assert info.reason == "cpu autocast to torch.bfloat16, attention in fp32"
+    assert resolve_autocast(device="cpu").attention == "autocast"
+    with pytest.raises(ValueError, match="attention must be 'autocast' .* or 'fp32', got 'bf16'"):
+        resolve_autocast(device="cpu", attention="bf16")  # type: ignore[arg-type]
+
+
+def test_fp32_attention_says_it_cannot_reach_inside_multihead_attention() -> None:
+    class MHA(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    with pytest.warns(
+        UserWarning, match="nn.MultiheadAttention's attention runs in the autocast"
+    ) as rec:
+        seen, _ = _op_dtypes(MHA(), torch.randn(2, 8, 32), attention="fp32")
+    assert seen.dtypes(*SDPA_OPS) == {torch.bfloat16} and len(rec) == 1
+    assert rec[0].filename == __file__  # the user's line, not torch's
+
+
+def test_fp32_attention_compiles_to_what_eager_computes() -> None:
+    torch.manual_seed(0)
+    model, x = Attn(), torch.randn(2, 8, 32)
+    results = []
+    for fn in (model, torch.compile(model, backend="aot_eager", fullgraph=True)):
+        with autocast_if_available(device="cpu", attention="fp32"):
+            results.append(fn(x))
+    with autocast_if_available(device="cpu"):
+        bf16 = model(x)
+    torch._dynamo.reset()
+    assert torch.equal(results[0], results[1]) and not torch.equal(results[0], bf16)
 
 
 # ----------------------------------------------------------------- the seed's training loop

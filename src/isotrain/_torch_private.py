@@ -33,6 +33,7 @@ __all__ = [
     "eager_call",
     "foreach_copy_",
     "foreach_norms",
+    "function_modes",
     "group_by_device_and_dtype",
     "has_triton",
     "in_backward",
@@ -51,6 +52,13 @@ __all__ = [
     "tensor_version",
     "tree_leaves",
 ]
+
+
+# -- torch function modes (torch.overrides) ---------------------------------------------------
+def function_modes() -> list[Any]:
+    """The torch function modes active now, outermost first (`with torch.device(...)`,
+    `autocast_if_available(attention="fp32")`, a user's TorchFunctionMode)."""
+    return list(torch.overrides._get_current_function_mode_stack())
 
 
 # -- grad mode (torch._C) ---------------------------------------------------------------------

@@ -148,7 +148,7 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
         (
             {"precision": "fp8"},
             "--precision 'fp8' is invalid: it must be one of 'auto', 'fp32', "
-            "'bf16', 'fp16'; try --precision auto",
+            "'bf16', 'bf16-matmul', 'fp16'; try --precision auto",
         ),
         (
             {"model": C.ModelConfig(bias=1)},

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isotrain.train import loop
+from isotrain.train import environment, loop
 from isotrain.train.cli.main import main
 from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.step import train_step
@@ -130,8 +130,14 @@ def test_killing_the_launcher_stops_the_worker(tmp_path) -> None:
     assert "summary" not in _kinds(run)  # stopped, not finished: the same command resumes
 
 
-def test_a_model_too_large_to_build_is_one_line(tmp_path, capsys) -> None:
+def test_a_model_too_large_to_build_is_one_line(tmp_path, capsys, monkeypatch) -> None:
     argv = ["train", *SMOKE, "--model.vocab-size", str(10**12), "--out-dir", str(tmp_path / "r")]
+    assert main(argv) == 2  # refused before it is built: its parameters alone cannot fit
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("isotrain train: error: a training step of this shape needs at least ")
+    assert "available; lower --model.n-layer, --model.d-model or --model.vocab-size, or " in err
+    monkeypatch.setattr(environment, "available_memory", lambda device: None)  # not readable
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err

@@ -158,6 +158,16 @@ def test_safe_changes_on_resume_are_accepted_and_logged(tmp_path, caplog) -> Non
     assert "changed on resume: --log-every: 1 -> 2" in caplog.text
 
 
+def test_settings_a_snapshot_predates_or_auto_decides_later_are_no_change() -> None:
+    from isotrain.train.rundir.resume import check_compatible
+
+    cfg = dataclasses.asdict(_cfg("r", precision="bf16"))
+    saved = {k: v for k, v in cfg.items() if k != "precision_probe_seconds"}  # an older run
+    assert check_compatible(saved, _cfg("r", precision="bf16", steps=9)) == ["--steps: 7 -> 9"]
+    assert check_compatible(saved, _cfg("r", precision="auto")) == []  # the probe decides later
+    assert check_compatible(saved, _cfg("r", precision="fp32")) == ["--precision: 'bf16' -> 'fp32'"]
+
+
 # ------------------------------------------------------------ untrusted pointers and files
 def _saved(run, steps=(1, 2)) -> None:
     for step in steps:

@@ -32,10 +32,10 @@ TRAIN_CASES = [
     ("dropout-nan", ["--model.dropout", "nan"], None,
      "--model.dropout nan is invalid: it must be a finite number; try --model.dropout 0.0"),
     ("precision-fp8", ["--precision", "fp8"], None,
-     "--precision fp8 is not one of auto, fp32, bf16, fp16; try --precision fp32"),
+     "--precision fp8 is not one of auto, fp32, bf16, bf16-matmul, fp16; try --precision fp32"),
     ("precision-fp8", [], 'precision = "fp8"\n',
      "--config <toml>: precision = \"fp8\" is invalid: it must be one of 'auto', 'fp32', "
-     "'bf16', 'fp16'; try precision = \"fp32\""),
+     "'bf16', 'bf16-matmul', 'fp16'; try precision = \"fp32\""),
     ("subnormals-off", ["--subnormals", "off"], None,
      "--subnormals off is not one of flush, keep; try --subnormals flush"),
     ("subnormals-off", [], 'subnormals = "off"\n',

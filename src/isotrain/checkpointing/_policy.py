@@ -21,7 +21,13 @@ from isotrain._shared import BlockSpec, find_blocks
 from isotrain.checkpointing._budget import plan_budget
 from isotrain.checkpointing._selective import SELECTIVE
 from isotrain.checkpointing._state import _State
-from isotrain.checkpointing._wrap import disable_caches, is_checkpointed, unwrap, wrap
+from isotrain.checkpointing._wrap import (
+    ModesReplayed,
+    disable_caches,
+    is_checkpointed,
+    unwrap,
+    wrap,
+)
 
 __all__ = [
     "ACPolicy",
@@ -160,9 +166,10 @@ class CheckpointedTransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpoint_mode == "none" or _State.bypass or not torch.is_grad_enabled():
             return self._forward(x)
+        fn = self._forward if torch.compiler.is_compiling() else ModesReplayed(self._forward)
         if self.checkpoint_mode == "selective":
-            return checkpoint(self._forward, x, use_reentrant=False, context_fn=SELECTIVE)
-        return checkpoint(self._forward, x, use_reentrant=False)
+            return checkpoint(fn, x, use_reentrant=False, context_fn=SELECTIVE)
+        return checkpoint(fn, x, use_reentrant=False)
 
 
 # ---------------------------------------------------------------------------- wrapping

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -24,11 +26,11 @@ from isotrain._shared import (
     outside_stacklevel,
     remove_forward,
 )
-from isotrain._torch_private import tensor_version
+from isotrain._torch_private import function_modes, tensor_version
 from isotrain.checkpointing._selective import SELECTIVE
 from isotrain.checkpointing._state import _State
 
-__all__ = ["disable_caches", "is_checkpointed", "unwrap", "wrap"]
+__all__ = ["ModesReplayed", "disable_caches", "is_checkpointed", "unwrap", "wrap"]
 
 # NOTE [buffers in recompute]
 # Backward re-runs a checkpointed block's forward. Parameters are read-only there, but buffers
@@ -58,6 +60,14 @@ __all__ = ["disable_caches", "is_checkpointed", "unwrap", "wrap"]
 # forwards with gradients run with use_cache=False (one warning per module, naming it); eval and
 # generation under no_grad keep the cache. A block called with use_cache=True directly gets
 # use_cache=False the same way.
+#
+# NOTE [modes in recompute]
+# torch.utils.checkpoint replays the forward's autocast state in the recomputation, but not the
+# torch function modes that were active (`autocast_if_available(attention="fp32")`, `with
+# torch.device(...)`, a user's TorchFunctionMode): backward usually runs outside their `with`,
+# so the recomputation would compute something else (attention in bf16, not fp32) and the
+# non-reentrant checkpoint refuses it. The recomputation enters, outermost first, each mode the
+# forward ran under that is not active at that moment, and leaves them after.
 
 
 def _tracks_stats(owner: nn.Module) -> bool:
@@ -78,6 +88,7 @@ class _Replay:
         self.versions: list[int] = []
         self.before: list[torch.Tensor] = []
         self.written: list[tuple[nn.Module, str]] | None = None
+        self.modes: list[Any] = []
 
     def snapshot(self) -> None:
         """Copy every buffer of the block now, before its forward writes any."""
@@ -105,6 +116,7 @@ class _Replay:
         if self.written is None:  # the forward
             if self.slots is None:  # dynamo gave this call back to eager at a graph break
                 self.snapshot()
+            self.modes = function_modes()  # NOTE [modes in recompute]
             try:
                 return w.call_inner(*args, **self.kwargs)
             finally:
@@ -121,10 +133,38 @@ class _Replay:
         try:
             for (o, n), t in zip(written, scratch):
                 setattr(o, n, t)
-            return self.wrapper.call_inner(*args, **self.kwargs)
+            with _modes_entered(self.modes):  # NOTE [modes in recompute]
+                return self.wrapper.call_inner(*args, **self.kwargs)
         finally:
             for (o, n), t in zip(written, originals):
                 setattr(o, n, t)
+
+
+@contextmanager
+def _modes_entered(modes: list[Any]) -> Iterator[None]:
+    """Enter, outermost first, each of `modes` that is not active now; leave them after."""
+    with ExitStack() as stack:
+        active = function_modes()
+        for mode in modes:
+            if not any(mode is m for m in active):
+                stack.enter_context(mode)
+        yield
+
+
+class ModesReplayed:
+    """`fn` for `checkpoint`: its first call is the forward, and later calls (recomputations)
+    run under the function modes that call ran under (NOTE [modes in recompute])."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.modes: list[Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.modes is None:
+            self.modes = function_modes()
+            return self.fn(*args, **kwargs)
+        with _modes_entered(self.modes):
+            return self.fn(*args, **kwargs)
 
 
 class _Checkpointed(ForwardWrapper):

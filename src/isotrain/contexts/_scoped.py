@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from isotrain._shared import (
     seed_rng,
     training_flags,
 )
+from isotrain.contexts._attention import Fp32Attention
 
 __all__ = [
     "AutocastInfo",
@@ -153,6 +154,7 @@ class AutocastInfo:
     dtype: torch.dtype | None  # None when disabled
     needs_grad_scaler: bool  # True for float16: small gradients underflow without loss scaling
     reason: str
+    attention: str = "autocast"  # "fp32": scaled_dot_product_attention runs in fp32 inside
 
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -181,11 +183,15 @@ def _bf16_supported(device_type: str) -> bool:
     return True
 
 
+Attention = Literal["autocast", "fp32"]
+
+
 def resolve_autocast(
     dtype: torch.dtype = torch.bfloat16,
     *,
     device: str | torch.device | None = None,
     enabled: bool = True,
+    attention: Attention = "autocast",
 ) -> AutocastInfo:
     """Decide what :func:`autocast_if_available` would enable, without entering it.
 
@@ -193,6 +199,11 @@ def resolve_autocast(
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype such as torch.bfloat16, got {dtype!r}")
+    if attention not in ("autocast", "fp32"):
+        raise ValueError(
+            f"attention must be 'autocast' (attention in the autocast dtype) or 'fp32', "
+            f"got {attention!r}"
+        )
     if device is None:
         device_type = _default_device_type()
     elif isinstance(device, (str, torch.device)):
@@ -215,7 +226,9 @@ def resolve_autocast(
     if dtype == torch.bfloat16 and not _bf16_supported(device_type):
         dtype = torch.float16
         reason = f"bfloat16 unsupported on this {device_type} device; falling back to float16"
-    return AutocastInfo(True, device_type, dtype, dtype == torch.float16, reason)
+    if attention == "fp32":
+        reason += ", attention in fp32"
+    return AutocastInfo(True, device_type, dtype, dtype == torch.float16, reason, attention)
 
 
 @contextmanager
@@ -224,6 +237,7 @@ def autocast_if_available(
     *,
     device: str | torch.device | None = None,
     enabled: bool = True,
+    attention: Attention = "autocast",
 ) -> Iterator[AutocastInfo]:
     """Mixed precision where the device supports it, a no-op elsewhere; yields an AutocastInfo.
 
@@ -232,8 +246,12 @@ def autocast_if_available(
         with autocast_if_available() as amp:  # cuda if available, else cpu; bfloat16
             loss = model(x, y)
         # amp.enabled, amp.dtype, amp.needs_grad_scaler, amp.reason say what happened
+
+    ``attention="fp32"``: matmuls in the low-precision dtype, but every
+    ``F.scaled_dot_product_attention`` on fp32 inputs, forward and backward (NOTE [fp32
+    attention]); weights, gradients and optimizer state stay fp32 as with plain autocast.
     """
-    info = resolve_autocast(dtype, device=device, enabled=enabled)
+    info = resolve_autocast(dtype, device=device, enabled=enabled, attention=attention)
     if info.enabled and info.dtype != dtype:
         warnings.warn(
             f"{info.reason}: float16 gradients can underflow, so scale the loss with "
@@ -243,7 +261,10 @@ def autocast_if_available(
     if not info.enabled:
         yield info
         return
-    with torch.autocast(info.device_type, dtype=info.dtype):
+    with ExitStack() as stack:
+        stack.enter_context(torch.autocast(info.device_type, dtype=info.dtype))
+        if attention == "fp32":
+            stack.enter_context(Fp32Attention())
         yield info
 
 

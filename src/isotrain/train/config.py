@@ -213,9 +213,12 @@ class TrainConfig:
     """Seed for initialisation, batches and dropout."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """auto: the faster of fp32 and bf16 on this device for this model (a short probe, cached
-    per machine); bf16/fp16 autocast (fp16 adds a GradScaler); fp32: none."""
+    precision: Literal["auto", "fp32", "bf16", "bf16-matmul", "fp16"] = "auto"
+    """auto: the fastest of fp32, bf16 and bf16-matmul (attention in fp32) for this model
+    here (a short probe, cached); bf16/fp16: autocast (fp16 adds a GradScaler)."""
+    precision_probe_seconds: float = 60.0
+    """--precision auto: the most seconds its probe may spend timing steps; past it the run
+    takes fp32 (and the header says so)."""
     subnormals: Literal["flush", "keep"] = "flush"
     """CPU float math: flush values below 1.2e-38 to zero, which x86 cores otherwise compute on
     a slow path (an fp32 step can take twice as long); keep: IEEE behaviour."""
@@ -329,6 +332,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool]
     **dict.fromkeys(("model.dropout", "optim.beta1", "optim.beta2"), (_unit, "use [0, 1)")),
     "data.val_fraction": (lambda v: 0.0 < v < 1.0, "use a value in (0, 1)"),
     "optim.lr": (_positive, "the learning rate must be positive"),
+    "precision_probe_seconds": (_positive, "the probe needs a positive number of seconds"),
     "optim.grad_clip": (_at_least_0, "use 0 (off) or a positive norm"),
     "snapshot.keep": (lambda v: v >= 1, "keep at least 1"),
     "snapshot.every": (lambda v: v is None or v >= 0, "use None (at every evaluation), 0 or more"),

@@ -9,23 +9,31 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isotrain.train.fields import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LAUNCHER",
     "OutOfMemory",
+    "available_memory",
     "check_device",
     "check_directory",
     "check_extra",
+    "gib",
     "install_hint",
     "memory_for",
     "relative",
+    "require_memory",
 ]
 
 # Set by `isotrain train --nproc-per-node` for its torchrun workers: the program the user ran
@@ -73,6 +81,49 @@ def memory_for(what: str, *, lower: str) -> Iterator[None]:
         raise OutOfMemory(
             f"out of memory {what}: tried to allocate {_size(text)}; lower {lower}"
         ) from None
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes this process may still allocate on `device`, or None where it cannot be read: on
+    a CPU MemAvailable plus free swap (shared by the local ranks), on CUDA what is free plus
+    what torch holds unused."""
+    if device.type == "cuda":
+        import torch  # imported by then: `device` is a torch.device
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    fields = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields[key] = int(value.split()[0]) * 1024  # "MemAvailable:  123 kB"
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    return (fields["MemAvailable"] + fields.get("SwapFree", 0)) // local
+
+
+def gib(n: int) -> str:
+    """`n` bytes as `12.5 MiB`, `1.5 GiB` or `3.2 TiB`."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def require_memory(needed: int, device: torch.device, *, what: str, lower: str) -> None:
+    """Refuse, before anything is built, a run whose least memory (`needed` bytes: `what`)
+    exceeds what `device` has available; `lower` names the settings that need less."""
+    have = available_memory(device)
+    if have is not None and needed > have:
+        raise OutOfMemory(
+            f"a training step of this shape needs at least {gib(needed)} ({what}) and "
+            f"{device} has {gib(have)} available; lower {lower}"
+        )
 
 
 def check_device(name: str) -> None:

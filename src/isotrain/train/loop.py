@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -24,11 +23,12 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
-from isotrain.train.config import ConfigError, TrainConfig, flag, validate
+from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.data import batches as data_mod
-from isotrain.train.environment import memory_for
+from isotrain.train.environment import gib, memory_for, require_memory
 from isotrain.train.inputs import load_inputs
 from isotrain.train.model.gpt import GPT, Block
+from isotrain.train.model.memory import step_memory
 from isotrain.train.model.sampling import prompt_from, sample
 from isotrain.train.parallel import (
     DistInfo,
@@ -39,6 +39,7 @@ from isotrain.train.parallel import (
     wrap_model,
 )
 from isotrain.train.precision import resolve_precision
+from isotrain.train.report.header import loss_line, precision_line, run_facts, settings_lines
 from isotrain.train.report.loggers import MetricsWriter, write_config_file
 from isotrain.train.report.progress import Reporter, where_and_next
 from isotrain.train.rundir.lock import lock_run
@@ -62,10 +63,8 @@ log = logging.getLogger(__name__)
 Origin = Mapping[str, str] | None  # dotted setting -> `--preset NAME`, `--config FILE`, `flag`
 
 MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
-STEP_SIZE = (
-    "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per "
-    "step), or pass --checkpointing.policy full"
-)
+BATCH = "--data.batch-size or --model.block-size (raise --grad-accum to keep the tokens per step)"
+STEP_SIZE = f"{BATCH}, or pass --checkpointing.policy full"
 
 
 class TrainingStopped(Exception):
@@ -84,19 +83,30 @@ class TrainingStopped(Exception):
 
 
 def setup(
-    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+    cfg: TrainConfig,
+    *,
+    lock: contextlib.ExitStack | None = None,
+    origin: Origin = None,
+    measure_precision: bool = True,
 ) -> Run:
     """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule.
 
     With `lock`, the run directory's lock is taken first (before the tokenizer or anything
-    else is written there) and held until that stack closes.
+    else is written there) and held until that stack closes. Without `measure_precision`,
+    a `--precision auto` that needs its probe leaves `run.cfg.precision` "auto" for `train`
+    to measure after the header (the model is built alike: the probe runs only where bf16 is
+    native, where `bf16_linear_layers` changes nothing).
     """
     validate(cfg)
     info = init_distributed(cfg.parallel.mode, cfg.device)
     if lock is not None:
         lock.enter_context(lock_run(cfg.out_dir, info))
+    _fits(cfg, info)  # the shape as given: before a tokenizer is learned or weights are read
+    shape = cfg.model
     cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main, origin=origin)
-    cfg, precision = resolve_precision(cfg, info)
+    if cfg.model != shape:  # --init-from's shape, the tokenizer's vocabulary
+        _fits(cfg, info)
+    cfg, precision = resolve_precision(cfg, info, measure_now=measure_precision)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
     with memory_for("building the model", lower=MODEL_SIZE):
@@ -112,6 +122,21 @@ def setup(
     run = Run(cfg, info, batches, model, train_model, optimizer, updater)
     run.tokenizer, run.precision_note = tokenizer, precision
     return run
+
+
+def _fits(cfg: TrainConfig, info: DistInfo) -> None:
+    """Refuse a shape whose training step cannot fit in this machine's memory, counted before
+    anything is built (NOTE [step memory])."""
+    ckpt = cfg.checkpointing.policy != "none"
+    shards = info.world_size if cfg.parallel.mode == "fsdp" else 1
+    need = step_memory(
+        cfg.model, cfg.data.batch_size, checkpointed=ckpt, low_precision=cfg.precision != "fp32",
+        shards=shards,
+    )  # fmt: skip
+    what = f"model and AdamW state {gib(need.state)}, activations {gib(need.activations)}"
+    lower = [MODEL_SIZE] if 4 * need.state >= need.total else []  # what takes the memory
+    lower += [BATCH if ckpt else STEP_SIZE] if 4 * need.activations >= need.total else []
+    require_memory(need.total, info.device, what=what, lower=", or ".join(lower))
 
 
 def _warn_short_warmup(cfg: TrainConfig) -> None:
@@ -140,7 +165,7 @@ def prepare_model(
         quantize_linear_layers(
             model, bits=cfg.quant.bits, activations=cfg.quant.activations, exclude=["lm_head"]
         )
-    if cfg.precision == "bf16" and info.device.type == "cpu":
+    if cfg.precision in ("bf16", "bf16-matmul") and info.device.type == "cpu":
         bf16_linear_layers(model)  # fast operand layouts where the CPU lacks native bf16
     apply_activation_checkpointing(
         model, policy=cfg.checkpointing.policy, modules=(Block,), example_inputs=example
@@ -204,7 +229,7 @@ def _evaluate_and_record(
     run.eval_step = st.step
     bpb = _bits_per_byte(run, val=val, unigram_baseline=baseline)
     metrics.write("eval", step=st.step, val_loss=val, unigram_baseline=baseline, **bpb)
-    reporter.line(f"eval step {st.step}: {_loss_line(run, val, baseline)}")
+    reporter.line(f"eval step {st.step}: {loss_line(run, val, baseline)}")
 
 
 def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
@@ -213,23 +238,18 @@ def _bits_per_byte(run: Run, **losses: float) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _loss_line(run: Run, val: float, baseline: float) -> str:
-    """Validation loss (per token, and in bits per byte when known) beside the unigram
-    baseline to beat, in one line that fits 80 columns."""
-    unit = "nats/byte" if run.tokenizer.kind == "bytes" else "nats/token"
-    bpb = data_mod.bits_per_byte(val, run.batches.corpus)
-    in_bits = "" if bpb is None else f" ({bpb:.4f} bits/byte)"
-    return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
-
-
 def start(
-    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+    cfg: TrainConfig,
+    *,
+    lock: contextlib.ExitStack | None = None,
+    origin: Origin = None,
+    measure_precision: bool = True,
 ) -> Run:
-    """Setup (under `lock`, see `setup`), then resume when the run directory holds a
-    snapshot (or `--resume` asks)."""
+    """Setup (under `lock`; `origin` and `measure_precision`: see `setup`), then resume when
+    the run directory holds a snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
-    run = setup(cfg, lock=lock, origin=origin)
+    run = setup(cfg, lock=lock, origin=origin, measure_precision=measure_precision)
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(
@@ -254,35 +274,48 @@ def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
         stop_on_signals() as stop,
         contextlib.ExitStack() as held,
     ):
-        run = start(cfg, lock=held, origin=origin)
-        cfg, st, main = run.cfg, run.state, run.dist.is_main
+        run = start(cfg, lock=held, origin=origin, measure_precision=False)
+        st, main = run.state, run.dist.is_main
         baseline = data_mod.unigram_entropy(run.batches.corpus)
-        with (
-            contextlib.closing(_metrics(run)) as metrics,
-            Reporter(
-                total_steps=cfg.steps, enabled=main, live=cfg.progress, start_step=st.step
-            ) as reporter,
-        ):
-            precision = run.precision_note or cfg.precision
-            if cfg.precision != "auto" and origin and origin.get("precision", "flag") != "flag":
-                precision = f"{cfg.precision} ({origin['precision']})"  # not a flag they passed
-            facts = _facts(run, st.step, precision=precision, flushed=flushed)
-            reporter.header([*facts, *_settings(origin or {})])
-            if cfg.compile.enabled:
-                _warm_up(run, reporter, metrics)
-            with (
-                no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext(),
-                memory_for("in a training step", lower=STEP_SIZE),
-            ):
-                train_time, stopped = _loop(run, reporter, metrics, baseline, stop)
-            reporter.stop()  # the bar ends here; what follows prints below it
-            if stopped:
-                _write_skips(run, metrics)
-                save_run(run)
-                raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
-            _evaluate_and_record(run, reporter, metrics, baseline)
-            _finish(run, reporter, metrics, baseline, train_time, stop)
+        with Reporter(
+            total_steps=cfg.steps, enabled=main, live=cfg.progress, start_step=st.step
+        ) as reporter:
+            facts = run_facts(run, st.step, precision=precision_line(run, origin), flushed=flushed)
+            reporter.header([*facts, *settings_lines(origin or {})])
+            _measure_precision(run, reporter, stop)
+            cfg = run.cfg
+            with contextlib.closing(_metrics(run)) as metrics:
+                if cfg.compile.enabled:
+                    _warm_up(run, reporter, metrics)
+                with (
+                    no_recompiles() if cfg.compile.fail_on_recompile else contextlib.nullcontext(),
+                    memory_for("in a training step", lower=STEP_SIZE),
+                ):
+                    train_time, stopped = _loop(run, reporter, metrics, baseline, stop)
+                reporter.stop()  # the bar ends here; what follows prints below it
+                if stopped:
+                    _write_skips(run, metrics)
+                    save_run(run)
+                    raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
+                _evaluate_and_record(run, reporter, metrics, baseline)
+                _finish(run, reporter, metrics, baseline, train_time, stop)
         return st
+
+
+def _measure_precision(run: Run, reporter: Reporter, stop: StopFlag) -> None:
+    """`--precision auto`'s probe, once the header is out and the run directory checked: a
+    line per round, bounded by --precision-probe-seconds, and a signal stops it at once
+    (nothing is trained yet, so nothing is saved)."""
+    if run.cfg.precision != "auto":
+        return
+    if stop:
+        raise StopNow(stop.signal or signal.SIGINT)
+    stop.urgent = True
+    try:
+        run.cfg, run.precision_note = resolve_precision(run.cfg, run.dist, progress=reporter.line)
+    finally:
+        stop.urgent = False
+    reporter.line(f"precision  {run.precision_note}")
 
 
 def _metrics(run: Run) -> MetricsWriter:
@@ -376,45 +409,6 @@ def _warm_up(run: Run, reporter: Reporter, metrics: MetricsWriter) -> None:
         f"compiled {len(shapes)} shape(s) in {stats.wall_seconds:.1f} s "
         f"({stats.compilations} graphs, {stats.graph_breaks} graph breaks)"
     )
-
-
-def _facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
-    """The run header: model, data, device (with subnormal flushing on a CPU), precision (as
-    the caller describes it: the setting, or what auto chose and why), run directory."""
-    cfg, m = run.cfg, run.cfg.model
-    params = run.model.num_params()
-    where = f"resumed at step {first}" if first else "new run"
-    if cfg.init_from and not first:
-        where += f", weights from --init-from {cfg.init_from}"
-    dev = run.dist.device
-    threads = ""
-    if dev.type == "cpu":
-        asked = cfg.subnormals == "flush"
-        how = "flushed to zero" if flushed else "kept"
-        why = " (this CPU cannot flush them)" if asked and not flushed else ""
-        n = torch.get_num_threads()
-        threads = f", {n} thread{'s' if n != 1 else ''}, subnormals {how}{why}"
-    world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
-    return [
-        f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "
-        f"{m.n_head} heads, context {m.block_size}",
-        f"data       {run.batches.corpus.describe()}",
-        f"tokenizer  {run.tokenizer.describe()}",
-        f"device     {dev}{threads}{world}",
-        f"precision  {precision}",
-        f"steps      {cfg.steps}, batch {cfg.data.batch_size} x {cfg.grad_accum}, "
-        f"eval every {cfg.eval_every}, log every {cfg.log_every}",
-        f"run dir    {cfg.out_dir} ({where})",
-    ]
-
-
-def _settings(origin: Mapping[str, str]) -> list[str]:
-    """`settings   --preset smoke (16), --config FILE (2), flags --steps --out-dir`."""
-    counts = collections.Counter(v for v in origin.values() if v != "flag")
-    parts = [f"{source} ({n})" for source, n in counts.items()]
-    flags = [flag(k) for k, v in origin.items() if v == "flag"]
-    parts += [f"flags {' '.join(flags)}"] if flags else []
-    return [f"settings   {', '.join(parts)}"] if parts else []
 
 
 class _Timer:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain.contexts import autocast_if_available, eval_mode, rng_isolated
+from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.train.parallel import all_reduce_mean, no_grad_sync
+from isotrain.train.precision import autocast_for
 from isotrain.train.state import Run
 from isotrain.train.update.optim import lr_at, set_lr
 
@@ -24,11 +25,9 @@ __all__ = ["evaluate", "forward", "precision_context", "train_step"]
 def precision_context(
     precision: str, device: torch.device
 ) -> contextlib.AbstractContextManager[Any]:
-    """The autocast context of `precision` ("fp32": none) for forward passes on `device`."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return autocast_if_available(dtype, device=device)
+    """The autocast context of `precision` ("fp32": none; "bf16-matmul": bf16 with attention
+    in fp32) for forward passes on `device`."""
+    return autocast_for(precision, device)
 
 
 def forward(run: Run, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,10 @@ def check_compatible(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
                 f"{cfg.out_dir} holds a run with {flag(path)} {old!r}, not {new!r}: resuming "
                 f"would continue that run on something else; {ways_on(cfg.out_dir)}"
             )
-    return _diff(saved, dataclasses.asdict(cfg), "")
+    changes = _diff(saved, dataclasses.asdict(cfg), "")
+    if cfg.precision == "auto":  # auto's probe decides after the resume; the header says what
+        changes = [c for c in changes if not c.startswith("--precision:")]
+    return changes
 
 
 # What makes the run in a directory another run than the one a command describes, when that
@@ -194,7 +197,9 @@ def changes_in_words(changes: list[tuple[str, Any, Any]]) -> str:
 def _diff(old: dict[str, Any], new: dict[str, Any], prefix: str) -> list[str]:
     out = []
     for key, value in new.items():
-        before = old.get(key)
+        if key not in old:
+            continue  # a setting newer than the snapshot: nothing this command changed
+        before = old[key]
         if isinstance(value, dict):
             out += _diff(before or {}, value, f"{prefix}{key}.")
         elif (list(before) if isinstance(before, (list, tuple)) else before) != (
