@@ -2,8 +2,9 @@
 
 ``examine(model, optimizer, batches, step=...)`` runs the user's own step and validation on
 copies and reports each problem as a ``Finding`` (kind, severity, where, evidence, fix) in a
-``Diagnosis``; ``KINDS`` lists every kind with one line. This ``__init__`` is the package's
-whole public API; the ``_``-modules behind it are private.
+``Diagnosis``; ``KINDS`` lists every kind with one line. Under a process group it also
+compares the ranks. This ``__init__`` is the package's whole public API; the ``_``-modules
+behind it are private.
 """
 
 from isotrain.doctor._examine import examine

@@ -43,6 +43,12 @@ def _fresh_compiled() -> Callable[..., Any]:
     return torch.compile(fn, backend="eager", dynamic=False)
 
 
+def _traced(model: nn.Module) -> nn.Module:
+    """What torch.compile would trace: a DDP wrapper's module (dynamo skips DDP's own forward
+    by design and splits the graph at its buckets)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def _need_compile(model: nn.Module) -> None:
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ok = compile_available("eager", device=device)
@@ -82,7 +88,7 @@ def _block_inputs(ctx: Context, model: nn.Module) -> list[tuple[str, nn.Module, 
 
 def check_graph_breaks(ctx: Context) -> list[Finding]:
     """graph_break: per block class, the breaks dynamo makes tracing it, with the reasons."""
-    model, _ = ctx.copies()
+    model = _traced(ctx.copies()[0])
     _need_compile(model)
     out = []
     for name, block, (args, kwargs) in _block_inputs(ctx, model):
@@ -104,7 +110,7 @@ def check_graph_breaks(ctx: Context) -> list[Finding]:
 
 def check_recompiles(ctx: Context) -> list[Finding]:
     """recompile: compile the forward once, feed every batch; count what compiles again."""
-    model, _ = ctx.copies()
+    model = _traced(ctx.copies()[0])
     _need_compile(model)
     compiled = _fresh_compiled()
     with track_compiles() as stats, torch.no_grad():

@@ -53,6 +53,7 @@ class Context:
     uses_default_step: bool
     rng: dict[str, Any] = field(default_factory=dict)
     cache: dict[str, Any] = field(default_factory=dict)
+    ranks: Any = None  # the doctor's link between ranks (a _ranks.Ranks) under a process group
 
     def copies(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Deep copies of the model and optimizer, the copy's optimizer on the copy's params,
@@ -66,6 +67,16 @@ class Context:
             ) from e
         restore_rng(self.rng)
         return model, opt
+
+    def refuse(self, reason: str | None) -> None:
+        """CannotRun(reason) when this rank has a reason not to run, and on every rank when any
+        rank has one: under a process group the ranks then take the same collectives."""
+        if self.ranks is not None:
+            reasons = self.ranks.gather("whether a check can run", reason)
+            reason = next((f"on rank {r}: {why}" for r, why in enumerate(reasons) if why), None)
+            reason = reasons[self.ranks.rank] or reason
+        if reason:
+            raise CannotRun(reason)
 
     def run_step(self, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Any:
         """The user's step on (a copy of) the model."""

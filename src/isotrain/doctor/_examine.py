@@ -7,6 +7,7 @@ from the user's RNG state, which is put back after it; a check that raises becom
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
 from isotrain.contexts import StateAudit
+from isotrain.doctor._collectives import Collectives, checking_collectives
 from isotrain.doctor._compile import check_graph_breaks, check_recompiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
@@ -31,6 +33,9 @@ from isotrain.doctor._params import (
     check_optimizer,
     check_overfit,
 )
+from isotrain.doctor._ranks import RankError, Ranks, distributed
+from isotrain.doctor._replica_text import merge_findings
+from isotrain.doctor._replicas import check_ranks
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
 
@@ -48,6 +53,7 @@ class Check:
     kinds: tuple[str, ...]
     run: Callable[[Context], list[Finding]]
     fast: bool = True
+    ranks: bool = False  # compares ranks: left out of "all"/"fast" in a single process
 
 
 CHECKS: tuple[Check, ...] = (
@@ -86,15 +92,25 @@ CHECKS: tuple[Check, ...] = (
     Check("graph_break", ("graph_break",), check_graph_breaks, fast=False),
     Check("recompile", ("recompile",), check_recompiles, fast=False),
     Check("memory", ("memory",), check_memory),
+    Check(
+        "ranks",
+        (
+            "replica_divergence",
+            "gradient_not_synchronized",
+            "same_data_on_ranks",
+            "collective_mismatch",
+        ),
+        check_ranks,
+        ranks=True,
+    ),
 )
 
 
 def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     """The check families to run and the kinds to report."""
-    if checks == "all":
-        return list(CHECKS), set(KINDS)
-    if checks == "fast":
-        chosen = [c for c in CHECKS if c.fast]
+    if checks in ("all", "fast"):
+        many = distributed()
+        chosen = [c for c in CHECKS if (c.fast or checks == "all") and (many or not c.ranks)]
         return chosen, {k for c in chosen for k in c.kinds} | {"doctor_error"}
     if isinstance(checks, str) or not all(isinstance(k, str) for k in checks):
         raise ValueError(
@@ -104,6 +120,7 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     unknown = [k for k in checks if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown check kind(s) {unknown}; choose from: {', '.join(KINDS)}")
+
     kinds = set(checks) | {"doctor_error"}
     return [c for c in CHECKS if kinds & set(c.kinds)], kinds
 
@@ -140,6 +157,8 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
     try:
         with audit:
             return check.run(ctx)
+    except RankError:
+        raise  # the ranks are no longer in step: examine stops comparing them
     except CannotRun as e:
         return [
             Finding(k, "info", check.name, f"not checked: {e}", "-")
@@ -171,12 +190,15 @@ def examine(
     eval_fn: Callable[[nn.Module, Any], Any] | None = None,
     checks: str | Sequence[str] = "all",
     task: str | None = None,
+    rank_timeout: float = 120.0,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
 
     Works on deep copies of `model` and `optimizer` (yours, the RNGs and every global flag
     are as before when it returns). `step(model, optimizer, batch) -> loss` is your own
-    training step; without it `loss_fn(model, batch) -> loss` drives a plain one.
+    training step; without it `loss_fn(model, batch) -> loss` drives a plain one. Under a
+    process group, call it on every rank: the ranks are compared too, each exchange waiting
+    at most `rank_timeout` seconds for a rank.
 
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
@@ -199,20 +221,51 @@ def examine(
         eval_fn, task, step is None, rng,
     )  # fmt: skip
     found: list[Finding] = []
+    link = Ranks(timeout=rank_timeout) if distributed() else None
     try:
-        for check in families:
-            found += [f for f in _run_one(check, ctx, kinds) if f.kind in kinds]
-        found += _step_error(ctx)
+        found = _run_all(ctx, families, kinds, link)
     finally:
         restore_rng(rng)
+        if link is not None:
+            link.close()
     examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)
     return Diagnosis(found, examined, time.perf_counter() - started)
 
 
+def _run_all(
+    ctx: Context, families: list[Check], kinds: set[str], link: Ranks | None
+) -> list[Finding]:
+    """Every family in order; under a process group with the user's collectives checked, the
+    ranks meeting after each family, and one merged list of every rank's findings."""
+    found: list[Finding] = []
+    ctx.ranks = link
+    checked = checking_collectives(link) if link is not None else contextlib.nullcontext()
+    try:
+        with checked as calls:
+            ctx.cache["collectives"] = calls
+            for check in families:
+                found += [f for f in _run_one(check, ctx, kinds) if f.kind in kinds]
+                if link is not None:
+                    link.gather(f"the end of the {check.name} checks")
+        found += _step_error(ctx)
+        if link is not None:
+            found = merge_findings(link.gather("every rank's findings", found))
+    except RankError as e:  # one line naming the ranks; nothing more is compared
+        kind = "collective_mismatch" if e.apart else "doctor_error"
+        found.append(Finding(
+            kind, "error", "across ranks", str(e),
+            "make every rank run the same steps and collectives in the same order (no "
+            "rank-dependent branches around forward, backward, optimizer.step or dist calls)",
+        ))  # fmt: skip
+    return found
+
+
 def _step_error(ctx: Context) -> list[Finding]:
-    """One doctor_error when the user's own step raised (the checks needing it said so)."""
+    """One doctor_error when the user's own step raised (the checks needing it said so); a
+    collective mismatch is its own finding."""
     probe = ctx.cache.get("probe")
-    if probe is None or probe.error is None:
+    calls: Collectives | None = ctx.cache.get("collectives")
+    if probe is None or probe.error is None or (calls is not None and calls.mismatch):
         return []
     return [Finding(
         "doctor_error", "error", "your step", f"the step raised {probe.error}",

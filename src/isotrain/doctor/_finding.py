@@ -41,6 +41,14 @@ KINDS: dict[str, str] = {
     "recompile": "your batches make torch.compile compile again (varying shapes)",
     "memory": "saved activation bytes per block and the checkpointing policy that halves them",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
+    "replica_divergence": "a replicated parameter differs across data-parallel ranks (which "
+    "parameter, which ranks, the largest difference)",
+    "gradient_not_synchronized": "after backward, a data-parallel model's gradients differ "
+    "across ranks (DDP hooks on replaced parameters, the wrapper bypassed, no_sync left on)",
+    "same_data_on_ranks": "ranks got byte-identical batches (no DistributedSampler, data not "
+    "split by rank)",
+    "collective_mismatch": "ranks call a collective with tensors of other shapes or dtypes, or "
+    "reach collectives in another order (compared before the collective runs)",
 }
 
 

@@ -41,6 +41,7 @@ def probe(ctx: Context) -> Probe:
         for h in handles:
             h.remove()
     audit.restore()
+    error = _agreed(ctx, error)
     changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
     value = as_loss(loss)
     loss_value = float(value.detach().float().mean()) if value is not None else None
@@ -48,6 +49,15 @@ def probe(ctx: Context) -> Probe:
     result = Probe(loss_value, got_grad, changed, watch, error, leaks)
     ctx.cache["probe"] = result
     return result
+
+
+def _agreed(ctx: Context, error: str | None) -> str | None:
+    """Under a process group, a step that raised on any rank raised on all of them: the checks
+    that need it then stand down together."""
+    if ctx.ranks is None:
+        return error
+    errors = ctx.ranks.gather("the outcome of the probe step", error)
+    return error or next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e), None)
 
 
 def _mark(seen: set[str], name: str) -> Any:

@@ -1,0 +1,181 @@
+"""The doctor across ranks: examine under a process group.
+
+ONE spawned gloo world of two CPU processes (~6 s to start) runs every check; the workers write
+what they measured to JSON and each test below asserts on its part. Each bug of
+tests/doctor/zoo_ranks.py is found with its kind and cause, and its correct twin gets no error
+and no warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.doctor import zoo_ranks
+
+from isotrain.doctor import _ranks as ranks_mod
+from isotrain.doctor import examine
+
+WORLD = 2
+ACROSS = ["replica_divergence", "gradient_not_synchronized", "same_data_on_ranks",
+          "collective_mismatch"]  # fmt: skip
+
+
+def _findings(d: Any) -> list[dict[str, str]]:
+    return [f.__dict__ for f in d.findings]
+
+
+def _fingerprint(setup: dict[str, Any]) -> str:
+    """sha256 of every tensor the caller owns: parameters, grads, buffers, optimizer state."""
+    h = hashlib.sha256()
+    model, opt = setup["model"], setup["optimizer"]
+    tensors = [*model.state_dict().values(), *(p.grad for p in model.parameters())]
+    for state in opt.state.values():
+        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        h.update(b"none" if t is None else t.detach().reshape(-1).view(torch.uint8).numpy())
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    h.update(repr(groups).encode())
+    return h.hexdigest()
+
+
+def _cases() -> dict[str, Any]:
+    out = []
+    for kind, buggy, twin in zoo_ranks.CASES:
+        bug = examine(**buggy(), checks=ACROSS, rank_timeout=30)
+        clean = examine(**twin(), checks=ACROSS, rank_timeout=30)
+        out.append({"kind": kind, "bug": _findings(bug), "twin": _findings(clean)})
+    return {"cases": out}
+
+
+def _correct_setup_under_all_checks() -> dict[str, Any]:
+    """A correct DDP setup mid-training (grads and Adam state present) under checks="all"."""
+    setup = zoo_ranks.setup()
+    zoo_ranks.step(setup["model"], setup["optimizer"], setup["batches"][0])  # state to keep
+    before, rng = _fingerprint(setup), torch.get_rng_state()
+    d = examine(**setup, checks="all", task="classification", rank_timeout=30)
+    return {
+        "all_findings": _findings(d),
+        "all_kinds": d.checks,
+        "unchanged": before == _fingerprint(setup) and torch.equal(rng, torch.get_rng_state()),
+    }
+
+
+def _silent_rank(rank: int) -> dict[str, Any]:
+    """Rank 1 reaches the exchange after rank 0 gave up: rank 0's message names it."""
+    ranks_mod.GRACE = 0.3
+    link = ranks_mod.Ranks(timeout=0.5, label="test")
+    if rank == 1:
+        time.sleep(1.0)
+    started = time.monotonic()
+    try:
+        link.gather("a test exchange")
+        error = None
+    except ranks_mod.RankError as e:
+        error = str(e)
+    waited = time.monotonic() - started
+    link.close()
+    dist.barrier()
+    return {"silent_error": error, "silent_waited": waited}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        res, times = {}, {}
+        for name, part in (
+            ("cases", _cases), ("all", _correct_setup_under_all_checks),
+            ("silent", lambda: _silent_rank(rank)),
+        ):  # fmt: skip
+            started = time.perf_counter()
+            res.update(part())
+            times[name] = round(time.perf_counter() - started, 2)
+        res["seconds"] = times
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.MonkeyPatch.context() as mpatch:
+        for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            mpatch.delenv(v, raising=False)
+        mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _loud(found: list[dict[str, str]]) -> list[dict[str, str]]:
+    return [f for f in found if f["severity"] in ("error", "warning")]
+
+
+@pytest.mark.slow
+def test_each_bug_is_found_and_its_twin_is_clean(world: list[dict[str, Any]]) -> None:
+    for res in world:  # every rank returns the same merged diagnosis
+        for case in res["cases"]:
+            kinds = [(f["kind"], f["severity"]) for f in _loud(case["bug"])]
+            assert kinds == [(case["kind"], "error")], case
+            assert _loud(case["twin"]) == [], case
+    assert world[0]["cases"] == world[1]["cases"]
+
+
+@pytest.mark.slow
+def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> None:
+    cases = [c["bug"][0] for c in world[0]["cases"]]
+    replaced, moved, some_calls, clipped, data, bincount, alone = cases
+    assert replaced["where"] == "fc1.weight, fc1.bias, fc2.weight (+1 more)"
+    assert "(ranks 0 and 1 differ; max |difference| " in replaced["evidence"]
+    assert "they were replaced after DDP(model) was built" in replaced["evidence"]
+    assert "the model was converted in place after wrapping" in moved["evidence"]
+    assert some_calls["evidence"].startswith("after backward (step 2)")  # the second call
+    assert "without its DDP wrapper (model.module(...))" in some_calls["evidence"]
+    assert clipped["evidence"].startswith("after step 1, 4 of 4 replicated parameters differ")
+    assert "equal after backward but differed at optimizer.step()" in clipped["evidence"]
+    assert data["evidence"].startswith("ranks 0, 1 got byte-identical batches[0], batches[1]")
+    lines, start = inspect.getsourcelines(zoo_ranks.counting)
+    line = start + next(i for i, s in enumerate(lines) if "dist.all_reduce(counts)" in s)
+    assert bincount["where"].endswith(f"zoo_ranks.py:{line}")
+    assert (
+        "rank 0: all_reduce(tensor (4,) int64); rank 1: all_reduce(tensor (3,) int64)"
+        in (bincount["evidence"])
+    )
+    assert alone["evidence"].startswith("the ranks are at different points: rank 0 at all_reduce")
+
+
+@pytest.mark.slow
+def test_a_correct_ddp_setup_has_no_error_or_warning_and_stays_bitwise_unchanged(world) -> None:
+    for res in world:
+        assert _loud(res["all_findings"]) == [], res["all_findings"]
+        assert res["unchanged"]
+        assert set(ACROSS) <= set(res["all_kinds"])
+
+
+@pytest.mark.slow
+def test_a_rank_that_does_not_answer_is_named_after_the_timeout(world) -> None:
+    first, late = world
+    assert first["silent_error"] == (
+        "rank 1 did not answer within 0.5 s (at a test exchange): stuck in another collective, "
+        "busy elsewhere, or gone; every rank must reach the same checks"
+    )
+    assert 0.5 <= first["silent_waited"] < 1.0  # the timeout and the grace, no more
+    assert late["silent_error"] is not None  # the late rank finds the link broken, no hang
