@@ -72,13 +72,16 @@ def group_by_device_and_dtype(
     return {key: ([t for t in ts[0] if t is not None], idx) for key, (ts, idx) in groups.items()}
 
 
-def foreach_norms(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The 2-norm of each tensor: one foreach kernel where supported, a loop otherwise."""
+def foreach_norms(
+    tensors: list[torch.Tensor], device: torch.device, *, ord: float = 2.0
+) -> list[torch.Tensor]:
+    """The `ord`-norm of each tensor (2, or inf: the largest |value|, NaN when one is NaN): one
+    foreach kernel where supported, a loop otherwise."""
     from torch.utils._foreach_utils import _has_foreach_support
 
     if _has_foreach_support(tensors, device):
-        return list(torch._foreach_norm(tensors, 2.0))
-    return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
+        return list(torch._foreach_norm(tensors, ord))
+    return [torch.linalg.vector_norm(t, ord) for t in tensors]
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

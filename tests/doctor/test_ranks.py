@@ -1,4 +1,4 @@
-"""The doctor across ranks: examine under a process group.
+"""The doctor across ranks: examine under a process group, the Monitor in a real loop.
 
 ONE spawned gloo world of two CPU processes (~6 s to start) runs every check; the workers write
 what they measured to JSON and each test below asserts on its part. Each bug of
@@ -12,6 +12,7 @@ import hashlib
 import inspect
 import json
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -20,14 +21,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from tests.doctor import zoo_ranks
+import torch.nn.functional as F
+from tests.doctor import zoo, zoo_ranks
 
+from isotrain.doctor import Monitor, examine
 from isotrain.doctor import _ranks as ranks_mod
-from isotrain.doctor import examine
 
 WORLD = 2
 ACROSS = ["replica_divergence", "gradient_not_synchronized", "same_data_on_ranks",
           "collective_mismatch"]  # fmt: skip
+SEED_OF_FAULTS = 7  # random.Random(7): its first draw below 0.01 is the 107th
 
 
 def _findings(d: Any) -> list[dict[str, str]]:
@@ -88,6 +91,54 @@ def _silent_rank(rank: int) -> dict[str, Any]:
     return {"silent_error": error, "silent_waited": waited}
 
 
+def _faulty_hook(rank: int, calls: list[int]) -> Any:
+    """DDP's all-reduce, with its result changed on rank 1 in 1% of calls (both ranks draw the
+    same random numbers, so both know when)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    draw = random.Random(SEED_OF_FAULTS)
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations
+        calls.append(int(draw.random() < 0.01))
+        fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        if rank != 1 or not calls[-1]:
+            return fut
+
+        def corrupt(f: Any) -> torch.Tensor:
+            t = f.value()
+            t[0] += 1e-3  # one entry of the averaged gradients is lost on this rank
+            return t
+
+        return fut.then(corrupt)
+
+    return hook
+
+
+def _monitored(rank: int, *, faulty: bool, steps: int = 200) -> dict[str, Any]:
+    """A plain DDP loop with `monitor.after_step()`: the run stops at the first error."""
+    model = zoo.seeded(zoo.MLP)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    calls: list[int] = []
+    if faulty:
+        ddp.register_comm_hook(None, _faulty_hook(rank, calls))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    found: list[Any] = []
+    monitor = Monitor(ddp, opt, on_finding=found.append)
+    try:
+        for _ in range(steps):
+            x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            if any(f.severity == "error" for f in monitor.after_step()):
+                break
+    finally:
+        monitor.close()
+    first = calls.index(1) + 1 if 1 in calls else None
+    return {"stopped_at": monitor.step, "found": [f.__dict__ for f in found], "first_fault": first}
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
@@ -100,6 +151,8 @@ def _worker(rank: int, port: int, out: str) -> None:
         for name, part in (
             ("cases", _cases), ("all", _correct_setup_under_all_checks),
             ("silent", lambda: _silent_rank(rank)),
+            ("faulty", lambda: {"faulty": _monitored(rank, faulty=True)}),
+            ("sound", lambda: {"sound": _monitored(rank, faulty=False)}),
         ):  # fmt: skip
             started = time.perf_counter()
             res.update(part())
@@ -179,3 +232,16 @@ def test_a_rank_that_does_not_answer_is_named_after_the_timeout(world) -> None:
     )
     assert 0.5 <= first["silent_waited"] < 1.0  # the timeout and the grace, no more
     assert late["silent_error"] is not None  # the late rank finds the link broken, no hang
+
+
+@pytest.mark.slow
+def test_the_monitor_finds_a_corrupted_all_reduce_within_a_period(world) -> None:
+    for res in world:
+        faulty = res["faulty"]
+        assert faulty["first_fault"] == 107
+        assert faulty["stopped_at"] == 110  # the first check after the fault (every 10)
+        (found,) = faulty["found"]
+        assert found["kind"] == "replica_divergence" and found["severity"] == "error"
+        assert found["evidence"].startswith("at step 110, ")
+        assert "(ranks 0 and 1 differ; max |difference| " in found["evidence"]
+        assert res["sound"] == {"stopped_at": 200, "found": [], "first_fault": None}

@@ -43,6 +43,7 @@ __all__ = ["CHECKS", "examine"]
 
 log = logging.getLogger(__name__)
 MAX_BATCHES = 8
+MONITOR_KINDS = ("lost_update", "nonfinite_grad", "lr_off_schedule")
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,12 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     unknown = [k for k in checks if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown check kind(s) {unknown}; choose from: {', '.join(KINDS)}")
-
+    of_runs = [k for k in checks if k in MONITOR_KINDS]
+    if of_runs:
+        raise ValueError(
+            f"{', '.join(of_runs)}: reported by isotrain.doctor.Monitor during a real run, "
+            "not by examine"
+        )
     kinds = set(checks) | {"doctor_error"}
     return [c for c in CHECKS if kinds & set(c.kinds)], kinds
 

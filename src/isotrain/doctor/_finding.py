@@ -49,6 +49,11 @@ KINDS: dict[str, str] = {
     "split by rank)",
     "collective_mismatch": "ranks call a collective with tensors of other shapes or dtypes, or "
     "reach collectives in another order (compared before the collective runs)",
+    "lost_update": "Monitor: the gradients optimizer.step() applied differ across ranks (an "
+    "all-reduce's result differed)",
+    "nonfinite_grad": "Monitor: optimizer.step() got NaN/Inf gradients (an error once a "
+    "parameter holds NaN/Inf)",
+    "lr_off_schedule": "Monitor: a step's learning rate is not the one its schedule gives",
 }
 
 
