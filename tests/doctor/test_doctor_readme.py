@@ -34,7 +34,7 @@ def _summary_free(text: str) -> list[str]:
 def test_the_example_prints_the_table_shown_and_the_fixed_loop_passes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    buggy, fixed = _blocks("python")
+    buggy, fixed, *_ = _blocks("python")
     (shown,) = _blocks("text")
     (tmp_path / "doctor_example.py").write_text(buggy)
     monkeypatch.chdir(tmp_path)  # the table names doctor_example.py:LINE relative to here

@@ -4,6 +4,7 @@ Finding and Diagnosis behave as their API says."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 from typing import Any
@@ -16,7 +17,7 @@ from tests.doctor import zoo
 from tests.integration.zoo import GPT, ResNet
 
 from isotrain.contexts import StateAudit, eval_mode
-from isotrain.doctor import Diagnosis, Finding, examine
+from isotrain.doctor import Diagnosis, Finding, _examine, examine
 
 
 def _optimizer_state(opt: torch.optim.Optimizer) -> Any:
@@ -150,11 +151,28 @@ def test_diagnosis_orders_errors_first_and_serialises() -> None:
         Finding("memory", "fatal", "x", "y", "z")  # type: ignore[arg-type]
 
 
-def test_a_check_that_raises_becomes_a_doctor_error_and_the_others_still_run() -> None:
-    s = zoo.mlp_setup()
-    s["model"].pending = (i for i in range(3))  # a generator: the model cannot be deep-copied
-    d = examine(**s, checks=["batch_mixing", "duplicate_parameter"])
+def test_a_check_that_raises_becomes_a_doctor_error_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(ctx: Any) -> list[Finding]:
+        raise RuntimeError("the check met something new\nsecond line")
+
+    checks = tuple(
+        dataclasses.replace(c, run=broken) if c.name == "batch_mixing" else c
+        for c in _examine.CHECKS
+    )
+    monkeypatch.setattr(_examine, "CHECKS", checks)
+    d = examine(**zoo.mlp_setup(), checks=["batch_mixing", "duplicate_parameter"])
     (err,) = d.findings
     assert (err.kind, err.severity, err.where) == ("doctor_error", "error", "batch_mixing")
-    assert err.evidence.startswith("RuntimeError: cannot deep-copy the model and optimizer")
+    assert err.evidence == "RuntimeError: the check met something new"
     assert "duplicate_parameter" in d.checks  # ran (read-only) and found nothing
+
+
+def test_a_model_that_cannot_be_deep_copied_is_examined_in_place() -> None:
+    s = zoo.mlp_setup()
+    s["model"].pending = (i for i in range(3))  # a generator: copy.deepcopy raises
+    d = examine(**s, checks="all")
+    assert d.ok and not [f for f in d.findings if f.severity != "info"], d
+    (memory,) = d.of("memory")  # the one check that changes a copy's structure says why not
+    assert memory.evidence.startswith("not checked: the model cannot be deep-copied (TypeError")

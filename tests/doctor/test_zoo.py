@@ -21,18 +21,29 @@ def _new_head() -> dict[str, Any]:
     return setup
 
 
+def _keep_grads_step(model: torch.nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    opt.zero_grad(set_to_none=False)  # zeroes every .grad in place, a frozen one's too
+    loss = zoo.ce(model, batch)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
 def _frozen_after_optimizer() -> dict[str, Any]:
-    setup = mlp_setup()
-    setup["optimizer"] = torch.optim.AdamW(setup["model"].parameters(), weight_decay=0.0)
+    """Fine-tuning: train, then freeze the backbone and go on with the same optimizer; the
+    frozen layer's zeroed .grad keeps it in AdamW's update, so weight decay moves it
+    (https://discuss.pytorch.org/t/why-there-is-still-a-small-change-in-frozen-layer-parameters/153740)."""
+    setup = mlp_setup(step=_keep_grads_step)
+    setup["optimizer"] = torch.optim.AdamW(setup["model"].parameters(), weight_decay=0.01)
+    _keep_grads_step(setup["model"], setup["optimizer"], setup["batches"][0])
     setup["model"].fc1.requires_grad_(False)  # freezing after building the optimizer
     return setup
 
 
-def _frozen_before_optimizer() -> dict[str, Any]:
+def _frozen_but_skipped() -> dict[str, Any]:
     setup = mlp_setup()
-    setup["model"].fc1.requires_grad_(False)
-    trainable = [p for p in setup["model"].parameters() if p.requires_grad]
-    setup["optimizer"] = torch.optim.AdamW(trainable, weight_decay=0.0)
+    setup["optimizer"] = torch.optim.AdamW(setup["model"].parameters(), weight_decay=0.01)
+    setup["model"].fc1.requires_grad_(False)  # grads stay None: AdamW skips it, harmlessly
     return setup
 
 
@@ -89,7 +100,7 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
      lambda: lm_setup(eval_fn=zoo.estimate_loss_isolated), "warning"),
     ("unused_parameter", _mlp(unused=True), _mlp(), "warning"),
     ("parameter_not_in_optimizer", _new_head, mlp_setup, "error"),
-    ("frozen_parameter_in_optimizer", _frozen_after_optimizer, _frozen_before_optimizer, "warning"),
+    ("frozen_parameter_in_optimizer", _frozen_after_optimizer, _frozen_but_skipped, "warning"),
     ("duplicate_parameter", _head_twice, mlp_setup, "error"),
     ("weight_decay_on_norm_or_bias",
      lambda: mlp_setup(optimizer=torch.optim.AdamW(mlp_setup()["model"].parameters())),

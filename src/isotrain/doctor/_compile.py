@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from isotrain._shared import find_blocks
-from isotrain._torch_private import compile_metrics
+from isotrain._torch_private import compile_metrics, compiled_call
 from isotrain.compile import compile_available, track_compiles
-from isotrain.doctor._context import CannotRun, Context
-from isotrain.doctor._finding import Finding
+from isotrain.doctor._context import CannotRun, Context, inner
+from isotrain.doctor._finding import Finding, Severity
 
-__all__ = ["check_graph_breaks", "check_recompiles"]
+__all__ = ["check_graph_breaks", "check_recompiles", "user_compiles"]
 
 # NOTE [fresh code]
 # Dynamo keeps compiled graphs on the code object of the frame it traced. Tracing a fresh
@@ -41,12 +41,6 @@ def _fresh_compiled() -> Callable[..., Any]:
     code = _call.__code__.replace()
     fn = types.FunctionType(code, _call.__globals__, "_doctor_trace")
     return torch.compile(fn, backend="eager", dynamic=False)
-
-
-def _traced(model: nn.Module) -> nn.Module:
-    """What torch.compile would trace: a DDP wrapper's module (dynamo skips DDP's own forward
-    by design and splits the graph at its buckets)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def _need_compile(model: nn.Module) -> None:
@@ -86,11 +80,48 @@ def _block_inputs(ctx: Context, model: nn.Module) -> list[tuple[str, nn.Module, 
     return [(n, b, seen[n]) for n, b in first.values() if n in seen]
 
 
+# reason dynamo gives (its first words) -> (by design: info, the fix for that cause)
+_REASONS: list[tuple[str, bool, str]] = [
+    ("RNN, GRU, or LSTM", True,
+     "dynamo runs RNN/GRU/LSTM eagerly by design (their fused kernels gain nothing); to trace "
+     "them anyway: `with torch._dynamo.config.patch(allow_rnn=True):` around the compile"),
+    ("torch.compiler.disable", True, "the function is excluded from compile on purpose"),
+    ("Data-dependent branching", False,
+     "replace the Python `if` on a tensor with torch.where (both sides computed) or torch.cond"),
+    ("item()", False,
+     "keep the value a tensor inside the block (or torch._dynamo.config.capture_scalar_outputs"
+     " = True to trace .item())"),
+    ("print", False, "log outside the compiled block (or at log steps only)"),
+]  # fmt: skip
+_GENERIC_FIX = (
+    "the reason names the construct dynamo cannot trace: move it out of the block or replace "
+    "it, then compile per block with isotrain.compile.compile_model(model, fullgraph=True)"
+)
+
+
+def _diagnose(reasons: list[str]) -> tuple[bool, str]:
+    """(every reason by design, the fix for the first reason isotrain knows)."""
+    known = [next((r for r in _REASONS if r[0] in text), None) for text in reasons]
+    fix = next((r[2] for r in known if r is not None), _GENERIC_FIX)
+    return all(r is not None and r[1] for r in known), fix
+
+
+def user_compiles(ctx: Context) -> bool:
+    """Whether the user's setup compiles: a compiled model or submodule, or a compiled step."""
+    if ctx.asked & {"graph_break", "recompile"}:
+        return True  # named in checks=[...]: judged as if compiled
+    if getattr(ctx.step, "_torchdynamo_orig_callable", None) is not None:
+        return True
+    root = ctx.model
+    return inner(root) is not root or any(compiled_call(m) is not None for m in root.modules())
+
+
 def check_graph_breaks(ctx: Context) -> list[Finding]:
-    """graph_break: per block class, the breaks dynamo makes tracing it, with the reasons."""
-    model = _traced(ctx.copies()[0])
+    """graph_break: per block class, the breaks dynamo makes tracing it, with the reasons: a
+    warning where the user compiles, info where a break is by design or nothing compiles."""
+    model = inner(ctx.fresh()[0])  # DDP's forward is skipped by dynamo by design
     _need_compile(model)
-    out = []
+    compiles, out = user_compiles(ctx), []
     for name, block, (args, kwargs) in _block_inputs(ctx, model):
         before = _break_reasons()
         with track_compiles() as stats, torch.no_grad():
@@ -98,19 +129,20 @@ def check_graph_breaks(ctx: Context) -> list[Finding]:
         if stats.graph_breaks:
             after = _break_reasons()
             reasons = [r.splitlines()[0] for r, n in after.items() if n > before.get(r, 0)]
-            out.append(Finding(
-                "graph_break", "warning", f"{name} ({type(block).__name__})",
-                f"{stats.graph_breaks} graph break(s) tracing one call: {'; '.join(reasons[:3])}",
-                "make the block traceable: no .item()/print/data-dependent Python `if` on "
-                "tensors inside it (torch.where, torch.cond), then compile it per block with "
-                "isotrain.compile.compile_model(model, fullgraph=True) to keep it so",
-            ))  # fmt: skip
+            by_design, fix = _diagnose(reasons)
+            evidence = f"{stats.graph_breaks} graph break(s) tracing one call: "
+            evidence += "; ".join(reasons[:3])
+            if not compiles:
+                evidence += " (your setup does not compile: this matters once it does)"
+            sev: Severity = "warning" if compiles and not by_design else "info"
+            out.append(Finding("graph_break", sev, f"{name} ({type(block).__name__})",
+                               evidence, fix))  # fmt: skip
     return out
 
 
 def check_recompiles(ctx: Context) -> list[Finding]:
     """recompile: compile the forward once, feed every batch; count what compiles again."""
-    model = _traced(ctx.copies()[0])
+    model = inner(ctx.fresh()[0])
     _need_compile(model)
     compiled = _fresh_compiled()
     with track_compiles() as stats, torch.no_grad():
@@ -120,10 +152,12 @@ def check_recompiles(ctx: Context) -> list[Finding]:
     if not stats.recompiles:
         return []
     reasons = sorted({" ".join(r.split()) for r in stats.recompile_reasons})
+    compiles = user_compiles(ctx)
+    note = "" if compiles else " (your setup does not compile: this matters once it does)"
     return [Finding(
-        "recompile", "warning", "model forward",
+        "recompile", "warning" if compiles else "info", "model forward",
         f"{len(ctx.batches)} batches made torch.compile compile {stats.recompiles} more "
-        f"time(s): {'; '.join(reasons[:2])}",
+        f"time(s): {'; '.join(reasons[:2])}{note}",
         "give batches a few fixed shapes: isotrain.compile.pad_to_bucket(ids, buckets) with "
         "BucketBatchSampler, then isotrain.compile.warmup(model, ...) one graph per bucket and "
         "isotrain.compile.no_recompiles() to keep it so; pass changing ints as tensors",

@@ -1,13 +1,14 @@
-"""What every check works with: the user's setup, deep copies of it, and the model's inputs.
+"""What every check works with: the user's setup, put back as it was, and the model's inputs.
 
-Checks that step work on `copies()` (model and optimizer copied together, so the copy's
-optimizer holds the copy's parameters) from the RNG state the user had, so nothing of the
-user's changes; checks that only read do so under a restoring context.
+Checks run on the user's own objects through `fresh()`, which first puts back the state they
+had when `examine` was called (a `Snapshot`, NOTE [restore, don't copy]) and the RNG state;
+examine puts it back again after every check. `copies()` is for structural trials only.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,16 +18,23 @@ from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng
 from isotrain._torch_private import tree_leaves
+from isotrain.doctor._snapshot import Snapshot
 
-__all__ = ["CannotRun", "Context", "Probe", "StepFn", "as_loss", "first_tensor", "params_of"]
+__all__ = [
+    "BATCH_NORMS", "STAT_NORMS", "CannotRun", "Context", "Probe", "StepFn",
+    "as_loss", "first_tensor", "inner", "params_of",
+]  # fmt: skip
 
-StepFn = Callable[[nn.Module, torch.optim.Optimizer, Any], Any]
+StepFn = Callable[[nn.Module, Any, Any], Any]  # (model, optimizer(s), batch) -> loss
 _LABELS = ("labels", "label", "targets", "target", "y")
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+# norms that subtract each channel's own mean: a per-channel bias before them cancels out
+STAT_NORMS = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
 
 @dataclass
 class Probe:
-    """One watched step from the user's state on a copy (shared by several checks)."""
+    """One watched step from the user's state (shared by several checks)."""
 
     loss: float | None
     got_grad: set[str]  # names of parameters a gradient reached
@@ -34,6 +42,9 @@ class Probe:
     watch: Any  # the OpWatch of the step
     error: str | None = None
     step_leaks: list[str] = field(default_factory=list)  # StateAudit differences, buffers aside
+    zero_grad: set[str] = field(default_factory=set)  # every gradient exactly zero in backward
+    lost_grad: set[str] = field(default_factory=set)  # nonzero in backward, gone at the update
+    finite: bool = True  # the loss and every gradient at the update were finite
 
 
 class CannotRun(Exception):
@@ -45,28 +56,48 @@ class Context:
     """The user's setup and the helpers the checks share."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any  # what the step is given: one optimizer, or the user's sequence of them
+    optimizers: list[torch.optim.Optimizer]
     batches: Sequence[Any]
     step: StepFn
     eval_fn: Callable[[nn.Module, Any], Any] | None
     task: str | None
     uses_default_step: bool
     rng: dict[str, Any] = field(default_factory=dict)
+    samples_interact: bool = False  # the user's declaration: dim 0 is not independent samples
+    loss_falls: bool | None = None  # the user's declaration: None = judge by the setup
+    asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
     cache: dict[str, Any] = field(default_factory=dict)
     ranks: Any = None  # the doctor's link between ranks (a _ranks.Ranks) under a process group
+    snapshot: Snapshot = field(init=False)
 
-    def copies(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Deep copies of the model and optimizer, the copy's optimizer on the copy's params,
-        with the user's RNG state put back (so a step on the copy draws what theirs would)."""
+    def __post_init__(self) -> None:
+        self.snapshot = Snapshot(self.model, self.optimizers)
+
+    def reset(self) -> None:
+        """Put the user's objects, global flags and RNG back as examine found them."""
+        self.snapshot.restore()
+        restore_rng(self.rng)
+
+    def fresh(self) -> tuple[nn.Module, Any]:
+        """The user's own model and optimizer(s), as they were when examine was called, with
+        the user's RNG state (so a step draws what theirs would)."""
+        self.reset()
+        return self.model, self.optimizer
+
+    def copies(self) -> nn.Module:
+        """A deep copy of the model as examine found it, for trials that change its structure;
+        CannotRun when it cannot be copied."""
+        self.reset()
         try:
-            model, opt = copy.deepcopy((self.model, self.optimizer))
+            model = copy.deepcopy(self.model)
         except Exception as e:
-            raise RuntimeError(
-                f"cannot deep-copy the model and optimizer ({type(e).__name__}: {e}); the "
-                "doctor steps copies so yours stay untouched"
+            raise CannotRun(
+                f"the model cannot be deep-copied ({type(e).__name__}: {str(e)[:80]}), and "
+                "this check changes a copy's structure"
             ) from e
         restore_rng(self.rng)
-        return model, opt
+        return model
 
     def refuse(self, reason: str | None) -> None:
         """CannotRun(reason) when this rank has a reason not to run, and on every rank when any
@@ -78,8 +109,8 @@ class Context:
         if reason:
             raise CannotRun(reason)
 
-    def run_step(self, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Any:
-        """The user's step on (a copy of) the model."""
+    def run_step(self, model: nn.Module, opt: Any, batch: Any) -> Any:
+        """The user's step."""
         return self.step(model, opt, batch)
 
     def rng_now(self) -> dict[str, Any]:
@@ -88,13 +119,15 @@ class Context:
     # -- the model's inputs and outputs ------------------------------------------------------
     def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The model's inputs in `batch`: a tensor, the first item of a tuple, or a dict's
-        entries except the labels."""
+        entries (labels too when the forward takes them: an encoder-decoder builds its
+        decoder's inputs from them)."""
         if isinstance(batch, torch.Tensor):
             return (batch,), {}
         if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
             return (batch[0],), {}
         if isinstance(batch, dict):
-            return (), {k: v for k, v in batch.items() if k not in _LABELS}
+            takes = _takes(inner(self.model))
+            return (), {k: v for k, v in batch.items() if k not in _LABELS or takes(k)}
         raise ValueError(
             f"cannot find the model's inputs in a batch of type {type(batch).__name__}: the "
             "doctor feeds a tensor, the first tensor of a tuple, or a dict's non-label entries"
@@ -122,6 +155,32 @@ class Context:
         if t is None:
             raise ValueError(f"the model returned no floating tensor ({type(out).__name__})")
         return t
+
+
+def _takes(model: nn.Module) -> Callable[[str], bool]:
+    """Whether the model's forward accepts a keyword of that name."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return lambda name: False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return lambda name: True
+    return lambda name: name in params
+
+
+def inner(model: nn.Module) -> nn.Module:
+    """The module a DDP / DataParallel / torch.compile wrapper runs (the model itself else)."""
+    while True:
+        nxt = getattr(model, "module", None) if _is_wrapper(model) else None
+        nxt = nxt if nxt is not None else getattr(model, "_orig_mod", None)
+        if not isinstance(nxt, nn.Module):
+            return model
+        model = nxt
+
+
+def _is_wrapper(model: nn.Module) -> bool:
+    parallel = torch.nn.parallel
+    return isinstance(model, (parallel.DistributedDataParallel, parallel.DataParallel))
 
 
 def first_tensor(out: Any) -> torch.Tensor | None:

@@ -1,8 +1,9 @@
-"""`examine`: run the checks on copies of the user's setup and collect their findings.
+"""`examine`: run the checks on the user's setup and collect their findings.
 
-Each check runs inside a `StateAudit` of the global flags, whose `restore()` follows, and
-from the user's RNG state, which is put back after it; a check that raises becomes a
-`doctor_error` finding and one that cannot run here an info finding of its kind.
+Each check runs on the user's own objects from the state examine found them in, and that
+state (model, optimizers, schedulers, global flags, RNG) is put back after every check; a
+check that raises becomes a `doctor_error` finding and one that cannot run here an info
+finding of its kind.
 """
 
 from __future__ import annotations
@@ -18,21 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
-from isotrain.contexts import StateAudit
+from isotrain._shared import all_cuda_devices, capture_rng
 from isotrain.doctor._collectives import Collectives, checking_collectives
-from isotrain.doctor._compile import check_graph_breaks, check_recompiles
+from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
+from isotrain.doctor._fit import check_loss_at_init, check_overfit
 from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
-from isotrain.doctor._params import (
-    check_learning,
-    check_loss_at_init,
-    check_optimizer,
-    check_overfit,
-)
+from isotrain.doctor._params import check_learning, check_optimizer
 from isotrain.doctor._ranks import RankError, Ranks, distributed
 from isotrain.doctor._replica_text import merge_findings
 from isotrain.doctor._replicas import check_ranks
@@ -43,17 +39,21 @@ __all__ = ["CHECKS", "examine"]
 
 log = logging.getLogger(__name__)
 MAX_BATCHES = 8
+_TASKS = (None, "lm", "classification", "gan")
 MONITOR_KINDS = ("lost_update", "nonfinite_grad", "lr_off_schedule")
 
 
 @dataclass(frozen=True)
 class Check:
-    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast"."""
+    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast";
+    `traces=True` ones trace with torch.compile, every other runs the user's compiled code
+    eagerly (hooks and op watches see every op, and no compile happens)."""
 
     name: str
     kinds: tuple[str, ...]
     run: Callable[[Context], list[Finding]]
     fast: bool = True
+    traces: bool = False
     ranks: bool = False  # compares ranks: left out of "all"/"fast" in a single process
 
 
@@ -90,8 +90,8 @@ CHECKS: tuple[Check, ...] = (
     Check("nonfinite", ("nonfinite_forward",), check_nonfinite),
     Check("overflow", ("overflow_risk",), check_overflow),
     Check("nondeterminism", ("nondeterminism",), check_nondeterminism),
-    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False),
-    Check("recompile", ("recompile",), check_recompiles, fast=False),
+    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
+    Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
     Check("memory", ("memory",), check_memory),
     Check(
         "ranks",
@@ -134,11 +134,14 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
 def _plain_step(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> StepFn:
     """isotrain's plain step: zero_grad, loss_fn, backward, optimizer.step."""
 
-    def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
-        optimizer.zero_grad(set_to_none=True)
+    def step(model: nn.Module, optimizer: Any, batch: Any) -> torch.Tensor:
+        optimizers = _optimizers(optimizer)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, batch)
         loss.backward()
-        optimizer.step()
+        for opt in optimizers:
+            opt.step()
         return loss
 
     return step
@@ -158,10 +161,11 @@ def _batches(batches: Iterable[Any]) -> list[Any]:
 
 def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
     """One family: its findings, or an info per kind if it cannot run, or a doctor_error."""
-    audit = StateAudit(check_rng=False, warn=False)
     started = time.perf_counter()
+    eager = not check.traces and user_compiles(ctx)
     try:
-        with audit:
+        ctx.reset()
+        with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             return check.run(ctx)
     except RankError:
         raise  # the ranks are no longer in step: examine stops comparing them
@@ -180,15 +184,27 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
             "checks=[...] and report the error if it is the doctor's",
         )]  # fmt: skip
     finally:
-        if audit.differences:
-            audit.restore()
-        restore_rng(ctx.rng)
+        ctx.reset()
         log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers in `optimizer` (one, or a sequence of them: a GAN's two)."""
+    many = isinstance(optimizer, (list, tuple))
+    found = list(optimizer) if many else [optimizer]
+    bad = [o for o in found if not isinstance(o, torch.optim.Optimizer)]
+    if bad or not found:
+        what = type(bad[0]).__name__ if bad else "an empty sequence"
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or a list of them, got {what}; pass "
+            "the real optimizer inside a wrapper (e.g. fabric_optimizer.optimizer)"
+        )
+    return found
 
 
 def examine(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     batches: Iterable[Any],
     *,
     step: StepFn | None = None,
@@ -196,42 +212,50 @@ def examine(
     eval_fn: Callable[[nn.Module, Any], Any] | None = None,
     checks: str | Sequence[str] = "all",
     task: str | None = None,
+    samples_interact: bool = False,
+    loss_falls: bool | None = None,
     rank_timeout: float = 120.0,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
 
-    Works on deep copies of `model` and `optimizer` (yours, the RNGs and every global flag
-    are as before when it returns). `step(model, optimizer, batch) -> loss` is your own
-    training step; without it `loss_fn(model, batch) -> loss` drives a plain one. Under a
-    process group, call it on every rank: the ranks are compared too, each exchange waiting
-    at most `rank_timeout` seconds for a rank.
+    Runs your step on your own `model` and `optimizer` (one, or a list: a GAN's two) and
+    puts everything back after each check: parameters, grads, buffers, optimizer state,
+    schedulers bound to it, the RNGs and every global flag are as before when it returns.
+    `step(model, optimizer, batch) -> loss` is your own training step; without it
+    `loss_fn(model, batch) -> loss` drives a plain one.
+
+    Declarations for setups that are right but unusual: `samples_interact=True` when the
+    samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
+    =False` when the loss is not meant to fall (adversarial; the default judges it unless
+    there are several optimizers or task="gan").
+
+    Under a process group, call it on every rank: the ranks are compared too (replicas,
+    gradients, data, collectives), each exchange waiting at most `rank_timeout` seconds.
 
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
-            "pass the real optimizer inside a wrapper (e.g. fabric_optimizer.optimizer)"
-        )
+    optimizers = _optimizers(optimizer)
     if step is None and loss_fn is None:
         raise ValueError("pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch)")
-    if task not in (None, "lm", "classification"):
-        raise ValueError(f'task must be "lm", "classification" or None, got {task!r}')
+    if task not in _TASKS:
+        raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
     ctx = Context(
-        model, optimizer, _batches(batches), step or _plain_step(loss_fn),  # type: ignore[arg-type]
-        eval_fn, task, step is None, rng,
+        model, optimizer, optimizers, _batches(batches),
+        step or _plain_step(loss_fn), eval_fn, task, step is None, rng,  # type: ignore[arg-type]
+        samples_interact=samples_interact, loss_falls=loss_falls,
+        asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
     found: list[Finding] = []
     link = Ranks(timeout=rank_timeout) if distributed() else None
     try:
         found = _run_all(ctx, families, kinds, link)
     finally:
-        restore_rng(rng)
+        ctx.reset()
         if link is not None:
             link.close()
     examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)

@@ -56,7 +56,7 @@ def _mb(n: int) -> str:
 
 def check_memory(ctx: Context) -> list[Finding]:
     """Saved bytes per block, and the first policy that halves the total."""
-    model, _ = ctx.copies()
+    model = ctx.copies()
     spec = _block_spec(model)
     args, kwargs = ctx.split(ctx.batches[0])
 

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import capture_rng, restore_rng
-from isotrain.doctor._context import CannotRun, Context
+from isotrain._shared import buffers_restored, capture_rng, restore_rng
+from isotrain._torch_private import DispatchMode
+from isotrain.doctor._context import BATCH_NORMS, CannotRun, Context
 from isotrain.doctor._finding import Finding
+from isotrain.doctor._watch import user_site
 
 __all__ = ["check_batch_mixing", "check_causal_leak"]
-
-_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _perturb_first(x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +39,11 @@ def _two_forwards(
     same RNG draws for both (so dropout masks match)."""
     x, rebuild = ctx.main_input(batch)
     if not train:
-        model.eval()  # a copy: the user's flags stay as they are
+        model.eval()  # examine puts every flag back after the check
     rng = capture_rng()
     with torch.no_grad():
-        a = ctx.outputs(model, *rebuild(x)).float()
+        with buffers_restored([model]):  # a forward that writes buffers (power iteration)
+            a = ctx.outputs(model, *rebuild(x)).float()  # starts the second one from the same
         restore_rng(rng)
         b = ctx.outputs(model, *rebuild(change(x))).float()
     return a, b
@@ -60,14 +61,31 @@ def check_batch_mixing(ctx: Context) -> list[Finding]:
     x, _ = ctx.main_input(batch)
     small = x.dim() == 0 or x.shape[0] < 2
     ctx.refuse("needs a batch of at least 2 samples along dimension 0" if small else None)
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     a, b = _two_forwards(ctx, model, batch, _perturb_first, train=True)
     if a.shape[0] != x.shape[0]:
         raise CannotRun(f"the output's first dimension ({a.shape[0]}) is not the batch's")
     change = _mixed(a, b)
     if change <= 1e-5:
         return []
-    has_bn = any(isinstance(m, _BATCHNORM) for m in model.modules())
+    if ctx.samples_interact:
+        return [Finding(
+            "batch_mixing", "info", "model forward",
+            f"sample 0's input changes the others' outputs (by {change:.2g} relative), as "
+            "declared: samples_interact=True",
+            "nothing to fix",
+        )]  # fmt: skip
+    across = _cross_sample_op(ctx, model, batch, x.shape[0])
+    if across is not None:
+        op, where = across
+        return [Finding(
+            "batch_mixing", "info", where,
+            f"sample 0's input changes the others' outputs (by {change:.2g} relative) through "
+            f"{op} over dim 0: rows that exchange values (a graph's nodes passing messages)",
+            "nothing to fix where dim 0 holds interacting items (declare samples_interact=True "
+            "to say so); where it holds independent samples, that op mixes them",
+        )]  # fmt: skip
+    has_bn = any(isinstance(m, BATCH_NORMS) for m in model.modules())
     if has_bn:
         a, b = _two_forwards(ctx, model, batch, _perturb_first, train=False)
         if _mixed(a, b) <= 1e-5:
@@ -85,6 +103,51 @@ def check_batch_mixing(ctx: Context) -> list[Finding]:
         "look for a view/reshape that should be a transpose/permute (x.view(B, T, C) of a "
         "(T, B, C) tensor), or a reduction over dim 0; .transpose(...) then .reshape(...)",
     )]  # fmt: skip
+
+
+# ops that move values between rows of dim 0: (name, position of `dim`, None for index lists)
+_ACROSS = {
+    "index_add": 1, "index_add_": 1, "index_copy": 1, "index_copy_": 1, "index_reduce": 1,
+    "index_reduce_": 1, "index_select": 1, "scatter": 1, "scatter_": 1, "scatter_add": 1,
+    "scatter_add_": 1, "scatter_reduce": 1, "scatter_reduce_": 1, "gather": 1, "index": None,
+}  # fmt: skip
+
+
+_INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+class _AcrossRows(DispatchMode):
+    """Finds the first op that reads or writes rows of a (rows, ...) tensor by an index."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.found: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if self.found is None and name in _ACROSS and args and isinstance(args[0], torch.Tensor):
+            x, pos = args[0], _ACROSS[name]
+            if pos is None:  # x[idx]: an integer index tensor on dim 0
+                idx = args[1][0] if len(args) > 1 and args[1] else None
+                hit = isinstance(idx, torch.Tensor) and idx.dtype in _INTEGER
+            else:
+                hit = len(args) > pos and args[pos] == 0
+            if hit and x.dim() > 0 and x.shape[0] == self.rows:
+                what = "x[idx] (integer indexing)" if name == "index" else name
+                self.found = (what, user_site().where)
+        return func(*args, **(kwargs or {}))
+
+
+def _cross_sample_op(
+    ctx: Context, model: nn.Module, batch: Any, rows: int
+) -> tuple[str, str] | None:
+    """(op, file:line) of the first op of the forward that indexes across dim 0, or None."""
+    args, kwargs = ctx.split(batch)
+    mode = _AcrossRows(rows)
+    with torch.no_grad(), buffers_restored([model]), mode:
+        model(*args, **kwargs)
+    return mode.found
 
 
 def check_causal_leak(ctx: Context) -> list[Finding]:
@@ -105,7 +168,7 @@ def check_causal_leak(ctx: Context) -> list[Finding]:
         y[:, t] = torch.where(ids[:, t] == hi, lo, hi)
         return y
 
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     a, b = _two_forwards(ctx, model, batch, change, train=False)
     if a.dim() < 2 or a.shape[1] != x.shape[1]:
         raise CannotRun(f"the logits' shape {tuple(a.shape)} has no time axis like the input's")

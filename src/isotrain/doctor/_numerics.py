@@ -17,7 +17,7 @@ from torch import nn
 
 from isotrain._torch_private import tree_leaves
 from isotrain.doctor._context import Context, as_loss, params_of
-from isotrain.doctor._finding import Finding
+from isotrain.doctor._finding import Finding, Severity
 from isotrain.doctor._probe import probe_ok
 from isotrain.doctor._watch import bad_values, value_ranges
 
@@ -61,7 +61,7 @@ def _first_nonfinite(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
 
 def check_nonfinite(ctx: Context) -> list[Finding]:
     """nonfinite_forward: the first module (or, outside modules, op) that makes a NaN/Inf."""
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     args, kwargs = ctx.split(ctx.batches[0])
     with _first_nonfinite(model) as found, torch.no_grad():
         model(*args, **kwargs)
@@ -77,12 +77,22 @@ def check_nonfinite(ctx: Context) -> list[Finding]:
 
 
 def check_overflow(ctx: Context) -> list[Finding]:
-    """overflow_risk: exp/log/softmax inputs and low-precision activations near the edge."""
-    watch = probe_ok(ctx).watch
-    return [
-        Finding("overflow_risk", "warning", where, evidence, _NAN_FIX)
-        for (where, _), evidence in sorted(watch.risks.items())
-    ]
+    """overflow_risk: exp/log/softmax inputs and low-precision activations near the edge; a
+    warning in the user's code, info inside a library or where a log(0)'s -inf was masked
+    out before the loss (the step's loss and every gradient finite)."""
+    p = probe_ok(ctx)
+    out = []
+    for (where, what), evidence in sorted(p.watch.risks.items()):
+        sev: Severity = "warning"
+        fix = _NAN_FIX
+        if where in p.watch.library_risks:
+            sev, evidence = "info", evidence + " (inside an installed library, not your code)"
+            fix = "none needed while the loss stays finite"
+        elif what == "log" and p.finite:
+            sev, fix = "info", "none needed while the -inf stays masked (torch.where, masked_fill)"
+            evidence += "; the -inf never reached the loss or a gradient (masked out)"
+        out.append(Finding("overflow_risk", sev, where, evidence, fix))
+    return out
 
 
 def check_nondeterminism(ctx: Context) -> list[Finding]:
@@ -90,12 +100,12 @@ def check_nondeterminism(ctx: Context) -> list[Finding]:
     probe_ok(ctx)
     results = []
     for _ in range(2):
-        model, opt = ctx.copies()
+        model, opt = ctx.fresh()
         loss = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
-        results.append((model, None if loss is None else loss.detach().clone()))
+        values = {n: p.detach().clone() for n, p in params_of(model).items()}
+        results.append((values, None if loss is None else loss.detach().clone()))
     (a, la), (b, lb) = results
-    pb = params_of(b)
-    differ = [n for n, p in params_of(a).items() if not torch.equal(p.detach(), pb[n].detach())]
+    differ = [n for n, p in a.items() if not torch.equal(p, b[n])]
     loss_differs = la is not None and lb is not None and not torch.equal(la, lb)
     if not differ and not loss_differs:
         return []

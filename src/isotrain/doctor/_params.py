@@ -1,33 +1,35 @@
-"""Parameters against the optimizer, and whether training moves them at all.
+"""Parameters against the optimizers, and whether a step moves them at all.
 
-Read-only checks compare the model's parameters with the optimizer's groups (by identity);
-the probe step says which parameters a gradient reached and which changed; a few dozen
-steps on one repeated batch say whether the loss can fall at all.
+Read-only checks compare the model's parameters with the optimizers' groups (by identity);
+the probe step says which parameters a gradient reached, whether it was exactly zero, whether
+the update still saw it, and which parameters changed.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain.doctor._context import CannotRun, Context, as_loss, params_of
+from isotrain.doctor._context import STAT_NORMS, Context, Probe, params_of
 from isotrain.doctor._finding import Finding, Severity
-from isotrain.doctor._probe import probe_ok
+from isotrain.doctor._probe import probe, probe_ok
 
-__all__ = ["check_learning", "check_loss_at_init", "check_optimizer", "check_overfit"]
+__all__ = ["check_learning", "check_optimizer", "name_list"]
 
-OVERFIT_STEPS = 30
+ZERO_STEPS = 4  # steps over which an exactly zero gradient must stay zero to be reported
+_BIASED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def _names(names: list[str]) -> str:
+def name_list(names: list[str]) -> str:
+    """Up to three names, and how many more."""
     return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
-def _held(opt: torch.optim.Optimizer) -> list[tuple[int, torch.Tensor]]:
-    """(group index, tensor) of every parameter the optimizer holds, duplicates included."""
-    return [(i, p) for i, g in enumerate(opt.param_groups) for p in g["params"]]
+def _held(ctx: Context) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """(group, tensor) of every parameter the optimizers hold, duplicates included."""
+    return [(g, p) for opt in ctx.optimizers for g in opt.param_groups for p in g["params"]]
 
 
 def check_optimizer(ctx: Context) -> list[Finding]:
@@ -35,123 +37,170 @@ def check_optimizer(ctx: Context) -> list[Finding]:
     weight_decay_on_norm_or_bias: the model's parameters against the optimizer's groups."""
     params = params_of(ctx.model)
     name_of = {id(p): n for n, p in params.items()}
-    held = _held(ctx.optimizer)
+    held = _held(ctx)
     ids = [id(p) for _, p in held]
     out = []
     missing = [n for n, p in params.items() if p.requires_grad and id(p) not in set(ids)]
     if missing:
         out.append(Finding(
-            "parameter_not_in_optimizer", "error", _names(missing),
+            "parameter_not_in_optimizer", "error", name_list(missing),
             f"{len(missing)} trainable parameter(s) are in no optimizer group: they never train",
             "build the optimizer after the last change to the model (a new head, a replaced "
             "layer, .to(device) of a copy), or optimizer.add_param_group({'params': [...]})",
         ))  # fmt: skip
     frozen = [name_of.get(id(p), "?") for _, p in held if not p.requires_grad]
     if frozen:
-        out.append(Finding(
-            "frozen_parameter_in_optimizer", "warning", _names(frozen),
-            f"the optimizer holds {len(frozen)} parameter(s) with requires_grad=False",
-            "build the optimizer from [p for p in model.parameters() if p.requires_grad]; "
-            "isotrain.contexts.frozen freezes for a block and restores each flag",
-        ))  # fmt: skip
+        out.append(_frozen(ctx, frozen))
     dup = sorted({name_of.get(i, "?") for i in ids if ids.count(i) > 1})
     if dup:
         out.append(Finding(
-            "duplicate_parameter", "error", _names(dup),
+            "duplicate_parameter", "error", name_list(dup),
             f"{len(dup)} tensor(s) appear more than once in the optimizer's groups: each step "
             "updates them twice (and their weight decay differs by group)",
             "give each tensor to one group only (tied weights: list the shared tensor once)",
         ))  # fmt: skip
     decayed = [
-        name_of.get(id(p), "?")
-        for i, p in held
-        if p.ndim < 2 and ctx.optimizer.param_groups[i].get("weight_decay", 0) > 0
+        name_of.get(id(p), "?") for g, p in held if p.ndim < 2 and g.get("weight_decay", 0) > 0
     ]
     if decayed:
         out.append(Finding(
-            "weight_decay_on_norm_or_bias", "info", _names(decayed),
+            "weight_decay_on_norm_or_bias", "info", name_list(decayed),
             f"weight decay applies to {len(decayed)} bias/norm parameter(s) (1-D tensors)",
             "put 1-D parameters in a group with weight_decay=0.0 (the usual GPT recipe)",
         ))  # fmt: skip
     return out
 
 
+def _frozen(ctx: Context, frozen: list[str]) -> Finding:
+    """frozen_parameter_in_optimizer: a warning when the step moves a frozen parameter
+    (weight decay or momentum on a zero grad), info while its grad stays None (skipped)."""
+    p = probe(ctx)
+    moved = [n for n in frozen if n in p.changed]
+    held = f"the optimizer holds {len(frozen)} parameter(s) with requires_grad=False"
+    fix = (
+        "build the optimizer from [p for p in model.parameters() if p.requires_grad]; "
+        "isotrain.contexts.frozen freezes for a block and restores each flag"
+    )
+    if moved:
+        return Finding(
+            "frozen_parameter_in_optimizer", "warning", name_list(moved),
+            f"{held}, and the step changed {len(moved)} of them: a zero gradient "
+            "(zero_grad(set_to_none=False), or one left from before freezing) still gets "
+            "weight decay and momentum",
+            fix,
+        )  # fmt: skip
+    why = "their .grad stays None, so the optimizer skips them"
+    if p.error is not None:
+        why = f"whether a step moves them is unknown: your step raised {p.error}"
+    where = name_list(frozen)
+    return Finding("frozen_parameter_in_optimizer", "info", where, f"{held}; {why}", fix)
+
+
 def check_learning(ctx: Context) -> list[Finding]:
     """unused_parameter and params_unchanged, from the probe step."""
     p = probe_ok(ctx)
     params = params_of(ctx.model)
-    held = {id(t) for _, t in _held(ctx.optimizer)}
+    held = {id(t) for _, t in _held(ctx)}
     out = []
     unused = [n for n, t in params.items() if t.requires_grad and n not in p.got_grad]
     if unused:
         out.append(Finding(
-            "unused_parameter", "warning", _names(unused),
+            "unused_parameter", "warning", name_list(unused),
             f"{len(unused)} parameter(s) with requires_grad received no gradient in a step",
             "remove the unused module, or freeze it (requires_grad_(False)) if it is meant "
             "to stay; under DDP an unused parameter needs find_unused_parameters=True",
         ))  # fmt: skip
-    still = [
-        n for n, t in params.items()
-        if id(t) in held and n in p.got_grad and n not in p.changed
-    ]  # fmt: skip
-    if still:
-        reached = len([n for n, t in params.items() if id(t) in held and n in p.got_grad])
-        sev: Severity = "error" if len(still) == reached else "warning"
+    return out + _unchanged(ctx, p, [n for n, t in params.items() if id(t) in held])
+
+
+def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:
+    """params_unchanged: a held parameter a gradient reached that the step did not move, by
+    cause: its gradient cleared before the update, no learning rate, or an exact zero."""
+    reached = [n for n in held if n in p.got_grad]
+    still = [n for n in reached if n not in p.changed]
+    lost = [n for n in still if n in p.lost_grad]
+    kept = [n for n in still if n not in lost]
+    normed = _bias_before_norm(ctx, ctx.fresh()[0]) if kept else {}
+    redundant = [n for n in kept if n in normed]
+    zero = [n for n in kept if n in p.zero_grad and n not in normed]
+    rest = [n for n in kept if n not in p.zero_grad and n not in normed]
+    out = []
+    if redundant:
         out.append(Finding(
-            "params_unchanged", sev, _names(still),
-            f"{len(still)} of {reached} parameter(s) that got a gradient did not change in a "
-            "step (gradients zeroed before optimizer.step()? learning rate 0?)",
-            "call optimizer.zero_grad() before backward (or after optimizer.step()), never "
-            "between backward and step; check the group's lr",
+            "params_unchanged", "info", name_list(redundant),
+            f"{len(redundant)} bias(es) feed a batch-statistics norm ({normed[redundant[0]]}), "
+            "which subtracts each channel's mean: their gradient is zero by design (up to "
+            "rounding), so they do not move",
+            "redundant: build the layer with bias=False (the norm's own bias does the work)",
         ))  # fmt: skip
-    return out
+
+    def sev(names: list[str]) -> Severity:
+        return "error" if len(names) == len(reached) else "warning"
+
+    if lost:
+        out.append(Finding(
+            "params_unchanged", sev(lost), name_list(lost),
+            f"{len(lost)} of {len(reached)} parameter(s) got a nonzero gradient in backward, "
+            "but it was gone (None or zero) when optimizer.step() ran: nothing was applied",
+            "call optimizer.zero_grad() before backward (or after optimizer.step()), never "
+            "between backward and step",
+        ))  # fmt: skip
+    if rest:
+        out.append(Finding(
+            "params_unchanged", sev(rest), name_list(rest),
+            f"{len(rest)} of {len(reached)} parameter(s) had a nonzero gradient at "
+            "optimizer.step() and did not change",
+            "check the group's learning rate (0, or a schedule that starts at 0)",
+        ))  # fmt: skip
+    return out + (_structural_zeros(ctx, zero) if zero else [])
 
 
-def check_overfit(ctx: Context) -> list[Finding]:
-    """cannot_overfit: a few dozen steps on one repeated batch must lower its loss."""
-    probe_ok(ctx)
-    model, opt = ctx.copies()
-    losses = []
-    for _ in range(OVERFIT_STEPS):
-        value = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
-        if value is None:
-            raise CannotRun("the step returns no loss tensor to follow")
-        losses.append(float(value.detach().float().mean()))  # sync: the doctor, not the step
-    first, last = losses[0], min(losses[-3:])
-    if not math.isfinite(last) or last > 0.9 * first:
-        return [Finding(
-            "cannot_overfit", "warning", "your step",
-            f"loss on one repeated batch went {first:.4g} -> {last:.4g} in {OVERFIT_STEPS} "
-            "steps: a model that cannot memorise one batch will not learn the data",
-            "check the learning rate (typo? a schedule at 0?), that the loss reaches the "
-            "parameters, and that targets match inputs (no double softmax before the loss)",
-        )]  # fmt: skip
-    return []
+def _structural_zeros(ctx: Context, names: list[str]) -> list[Finding]:
+    """Parameters whose gradient was exactly zero: follow them over a few more steps (LoRA's
+    A moves once B has); those that never move are reported."""
+    model, opt = ctx.fresh()
+    params = params_of(model)
+    start = {n: params[n].detach().clone() for n in names}
+    for i in range(ZERO_STEPS):
+        ctx.run_step(model, opt, ctx.batches[i % len(ctx.batches)])
+    stuck = [n for n in names if torch.equal(params[n].detach(), start[n])]
+    if not stuck:
+        return []
+    return [Finding(
+        "params_unchanged", "warning", name_list(stuck),
+        f"{len(stuck)} parameter(s) got an exactly zero gradient in each of {ZERO_STEPS} "
+        "steps over the examined batches: nothing reaches them through the loss",
+        "look at what sits between them and the loss: a mask or multiply by 0, ReLUs that "
+        "never fire, an expert no sample is routed to",
+    )]  # fmt: skip
 
 
-def _classes(ctx: Context, model: nn.Module) -> int:
+def _bias_before_norm(ctx: Context, model: nn.Module) -> dict[str, str]:
+    """`{bias name: norm name}` for each Linear/Conv bias whose output feeds a BatchNorm or
+    InstanceNorm directly (one forward with hooks)."""
+    made: dict[int, tuple[str, torch.Tensor]] = {}  # id(output) -> (bias name, output kept alive)
+    found: dict[str, str] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, _BIASED) and m.bias is not None:
+            label = f"{name}.bias"
+
+            def made_by(mod: nn.Module, a: Any, out: Any, label: str = label) -> None:
+                made[id(out)] = (label, out)
+
+            handles.append(m.register_forward_hook(made_by))
+        elif isinstance(m, STAT_NORMS):
+
+            def fed(mod: nn.Module, a: Any, label: str = name) -> None:
+                if a and id(a[0]) in made:
+                    found[made[id(a[0])][0]] = label
+
+            handles.append(m.register_forward_pre_hook(fed))
     args, kwargs = ctx.split(ctx.batches[0])
-    with torch.no_grad():
-        logits = ctx.outputs(model, args, kwargs)
-    return int(logits.shape[-1])
-
-
-def check_loss_at_init(ctx: Context) -> list[Finding]:
-    """loss_at_init: for lm/classification, the first loss against ln(number of classes)."""
-    if ctx.task not in ("lm", "classification"):
-        raise CannotRun('needs task="lm" or task="classification" to know the expected loss')
-    p = probe_ok(ctx)
-    if p.loss is None:
-        raise CannotRun("the step returns no loss tensor")
-    model, _ = ctx.copies()
-    n = _classes(ctx, model)
-    expected = math.log(n)
-    if not math.isfinite(p.loss) or abs(p.loss - expected) > max(0.5, 0.25 * expected):
-        return [Finding(
-            "loss_at_init", "warning", "your step",
-            f"first loss {p.loss:.4g}, expected about ln({n}) = {expected:.4g} for a model "
-            "that starts out guessing uniformly",
-            "initialise the output layer small (std ~0.02, or zeros), check the targets "
-            "(shifted by one for a language model, class indices for classification)",
-        )]  # fmt: skip
-    return []
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found

@@ -1,17 +1,16 @@
 """Across ranks: replicas that differ, gradients never averaged, the same data on every rank.
 
-Runs two of the user's steps on the user's own (DDP / FSDP2 / plain) model and optimizer, put
-back afterwards, since a deep copy of a DDP model builds a new reducer on the copy's parameters
-and so hides exactly the bugs looked for here. Each rank records checksums (of its batches,
-of the replicated parameters before and after each step, of their gradients after the last
-backward and at `optimizer.step()`); one exchange per step compares them, and only a parameter
-found to differ is exchanged whole, once, for its largest difference.
+Runs two of the user's steps on the user's own (DDP / FSDP2 / plain) model and optimizer
+(`ctx.fresh()`, put back after the check): a deep copy of a DDP model builds a new reducer
+on the copy's parameters, which hides exactly the bugs looked for here. Each rank records
+checksums (of its batches, of the replicated parameters before and after each step, of their
+gradients after the last backward and at `optimizer.step()`); one exchange per step compares
+them, and only a parameter found to differ is exchanged whole, once, for its largest difference.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -92,7 +91,7 @@ class _Record:
 
 
 @contextlib.contextmanager
-def _recording(model: nn.Module, opt: torch.optim.Optimizer, names: list[str]) -> Iterator[_Record]:
+def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[_Record]:
     """Record one step: torch.autograd.backward wrapped, a step pre-hook, forward pre-hooks."""
     rec, params = _Record(), [dict(_base(model).named_parameters())[n] for n in names]
     backward = torch.autograd.backward
@@ -116,10 +115,8 @@ def _recording(model: nn.Module, opt: torch.optim.Optimizer, names: list[str]) -
     def mark(attr: str) -> Any:
         return lambda *_: setattr(rec, attr, True)
 
-    handles = [
-        opt.register_step_pre_hook(pre_step),
-        model.register_forward_pre_hook(mark("wrapper_called")),
-    ]
+    handles = [o.register_step_pre_hook(pre_step) for o in opts]
+    handles.append(model.register_forward_pre_hook(mark("wrapper_called")))
     inner = getattr(model, "module", None)
     if isinstance(inner, nn.Module) and _is_ddp(model):
         handles.append(inner.register_forward_pre_hook(mark("inner_called")))
@@ -130,32 +127,6 @@ def _recording(model: nn.Module, opt: torch.optim.Optimizer, names: list[str]) -
         torch.autograd.backward = backward
         for h in handles:
             h.remove()
-
-
-@contextlib.contextmanager
-def _real_objects(ctx: Context) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
-    """The caller's own model and optimizer, put back as they were afterwards."""
-    fresh = getattr(ctx, "fresh", None)
-    if callable(fresh):  # the context restores the caller's objects after every check
-        yield fresh()
-        return
-    model, opt = ctx.model, ctx.optimizer
-    tensors = [*model.parameters(), *model.buffers()]
-    values = [t.detach().clone() for t in tensors]
-    grads = [p.grad.detach().clone() if p.grad is not None else None for p in model.parameters()]
-    modes = [(m, m.training) for m in model.modules()]
-    state = copy.deepcopy(opt.state_dict())
-    try:
-        yield model, opt
-    finally:
-        with torch.no_grad():
-            for t, v in zip(tensors, values):
-                t.copy_(v)
-        for p, g in zip(model.parameters(), grads):
-            p.grad = g
-        for m, training in modes:
-            m.training = training
-        opt.load_state_dict(state)
 
 
 def _cause(model: nn.Module, names: list[str], recs: list[_Record]) -> str:
@@ -181,28 +152,28 @@ def check_ranks(ctx: Context) -> list[Finding]:
         raise CannotRun("needs a process group of 2 or more ranks (torchrun --nproc-per-node N)")
     if _mismatch(ctx):
         return _mismatch(ctx)
-    with _real_objects(ctx) as (model, opt):
-        reps = replicated(_base(model))
-        names, tensors = list(reps), list(reps.values())
-        start = ranks.gather("replicas before the first step", (names, _sums(tensors)))
-        framework = _wrapped_by_framework(model)
-        if len({tuple(n) for n, _ in start}) > 1:
-            return [replica_finding("models", start, None, [])]
-        if not framework and len({tuple(s) for _, s in start}) > 1:
-            raise CannotRun(
-                "the parameters differ across ranks and the model is no DDP/FSDP wrapper: "
-                "not replicas (tensor or pipeline parallel?), nothing to compare"
-            )
-        mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
-        hashes = ranks.gather("the batches' checksums", mine)
-        out = same_data_finding(hashes)
-        out += _stepped(ctx, ranks, model, opt, names, [s for _, s in start])
+    model, opt = ctx.fresh()  # the caller's own objects: examine puts them back afterwards
+    reps = replicated(_base(model))
+    names, tensors = list(reps), list(reps.values())
+    start = ranks.gather("replicas before the first step", (names, _sums(tensors)))
+    framework = _wrapped_by_framework(model)
+    if len({tuple(n) for n, _ in start}) > 1:
+        return [replica_finding("models", start, None, [])]
+    if not framework and len({tuple(s) for _, s in start}) > 1:
+        raise CannotRun(
+            "the parameters differ across ranks and the model is no DDP/FSDP wrapper: "
+            "not replicas (tensor or pipeline parallel?), nothing to compare"
+        )
+    mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
+    hashes = ranks.gather("the batches' checksums", mine)
+    out = same_data_finding(hashes)
+    out += _stepped(ctx, ranks, model, opt, names, [s for _, s in start])
     return out
 
 
 def _stepped(
-    ctx: Context, ranks: Ranks, model: nn.Module, opt: torch.optim.Optimizer,
-    names: list[str], start: list[list[int]],
+    ctx: Context, ranks: Ranks, model: nn.Module, opt: Any, names: list[str],
+    start: list[list[int]],
 ) -> list[Finding]:  # fmt: skip
     """Two steps, one exchange after each; the first difference found is reported."""
     out: list[Finding] = []
@@ -211,7 +182,7 @@ def _stepped(
         out.append(replica_finding("start", start, spread, names))
     recs: list[_Record] = []
     for i in range(STEPS):
-        with _recording(model, opt, names) as rec:
+        with _recording(model, ctx.optimizers, names) as rec:
             error = _run(ctx, model, opt, ctx.batches[i % len(ctx.batches)])
         recs.append(rec)
         after = _sums([dict(_base(model).named_parameters())[n] for n in names])
@@ -235,7 +206,7 @@ def _mismatch(ctx: Context) -> list[Finding]:
     return [mismatch_finding(*mismatch)] if mismatch else []
 
 
-def _run(ctx: Context, model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> str | None:
+def _run(ctx: Context, model: nn.Module, opt: Any, batch: Any) -> str | None:
     try:
         ctx.run_step(model, opt, batch)
     except Exception as e:

@@ -8,7 +8,6 @@ show whether the validation pass changes the training that follows.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,9 +16,10 @@ from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng, rng_differences
 from isotrain.contexts import StateAudit
-from isotrain.doctor._context import CannotRun, Context, params_of
+from isotrain.doctor._context import BATCH_NORMS, CannotRun, Context, params_of
 from isotrain.doctor._finding import Finding, Severity
 from isotrain.doctor._probe import probe_ok
+from isotrain.doctor._snapshot import Snapshot
 
 __all__ = ["check_leaks", "check_rng_leak"]
 
@@ -41,7 +41,6 @@ _FIX = {
 
 
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-_BATCHNORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _kind_of(difference: str) -> str:
@@ -107,7 +106,7 @@ def _mode_spy(model: nn.Module) -> Iterator[dict[str, str]]:
     for name, m in model.named_modules():
         if isinstance(m, _DROPOUT) and m.p > 0:
             what = f"dropout p={m.p} active"
-        elif isinstance(m, _BATCHNORM) and m.track_running_stats:
+        elif isinstance(m, BATCH_NORMS) and m.track_running_stats:
             what = "BatchNorm updating its running statistics"
         else:
             continue
@@ -135,7 +134,7 @@ def check_leaks(ctx: Context) -> list[Finding]:
         for kind in ("eval_in_train_mode", "buffer_write_in_eval"):
             out.append(Finding(kind, "info", "eval_fn", why, "pass eval_fn=..."))
         return out
-    model, _ = ctx.copies()
+    model, _ = ctx.fresh()
     audit = StateAudit(model, warn=False)
     with _mode_spy(model) as spied, audit:
         ctx.eval_fn(model, ctx.batches)
@@ -172,20 +171,22 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
     if ctx.eval_fn is None:
         raise CannotRun("no eval_fn given: pass eval_fn=your_validation(model, batches)")
     probe_ok(ctx)
-    model, opt = ctx.copies()
+    model, opt = ctx.fresh()
     ctx.run_step(model, opt, ctx.batches[0])
     after_first = capture_rng()
-    twin, twin_opt = copy.deepcopy((model, opt))  # the state after the first step, twice
-    restore_rng(after_first)
+    middle = Snapshot(model, ctx.optimizers, ctx.snapshot.scheduler_objects)  # for a rerun
     ctx.run_step(model, opt, ctx.batches[1])
+    plain = _values(model)
+    middle.restore()
     restore_rng(after_first)
-    audit = StateAudit(twin, warn=False, check_rng=False)
+    audit = StateAudit(model, warn=False, check_rng=False)
     with audit:
-        ctx.eval_fn(twin, ctx.batches)
-    audit.restore()  # flags and grad mode back: only the RNG may differ now
+        ctx.eval_fn(model, ctx.batches)
+    audit.restore()  # flags, buffers and grad mode back: only the RNG may differ now
     consumed = capture_rng()
-    ctx.run_step(twin, twin_opt, ctx.batches[1])
-    moved = _differing(model, twin)
+    ctx.run_step(model, opt, ctx.batches[1])
+    now = _values(model)
+    moved = [n for n, v in plain.items() if not torch.equal(v, now[n])]
     if moved:
         return [
             Finding(
@@ -212,6 +213,5 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
     return []
 
 
-def _differing(a: nn.Module, b: nn.Module) -> list[str]:
-    pb = params_of(b)
-    return [n for n, p in params_of(a).items() if not torch.equal(p.detach(), pb[n].detach())]
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in params_of(model).items()}

@@ -1,8 +1,9 @@
 """host_sync: the ops in the user's step that make the host wait for the accelerator.
 
-The probe's op watch counted them per `file:line` during one step. A sync in the user's
-own code is a warning; one inside an installed library (not the user's to change), or on a
-line marked `# sync:` (the convention for an intentional one), is info.
+The probe's op watch counted them per `file:line` during one step. A sync in the step's own
+code is a warning (slow on every step, and avoidable); one inside an installed library (not
+the user's to change), on a line marked `# sync:` (the convention for an intentional one),
+or inside a module's forward (the model's algorithm: routing, capacities) is info.
 """
 
 from __future__ import annotations
@@ -38,18 +39,29 @@ def _fix_for(what: str) -> str:
     return _SIZE_FIX
 
 
+_NONE = "none needed; on an accelerator it waits"
+_IN_FORWARD = (
+    " inside the model's forward: part of its algorithm (a data-dependent shape, as an MoE's "
+    "routing and capacity need); on an accelerator the step waits there"
+)
+
+
 def check_host_sync(ctx: Context) -> list[Finding]:
-    """One finding per `file:line` of the step that forces a host-device sync."""
+    """One finding per `file:line` of the step that forces a host-device sync: a warning in
+    the step's own code (avoidable bookkeeping, slow on every step), info inside a library,
+    on a line marked `# sync:`, or inside a module's forward (the model's own algorithm)."""
     watch = probe_ok(ctx).watch
     out = []
     for (where, what), n in sorted(watch.syncs.items(), key=lambda kv: -kv[1]):
-        library, marked = where in watch.library_syncs, where in watch.marked_syncs
-        evidence = f"{n} sync(s) per step from {what}"
-        if library:
-            evidence += " (inside an installed library, not your code)"
-        elif marked:
-            evidence += " (the line is marked `# sync:`: intentional)"
-        sev: Severity = "info" if library or marked else "warning"
-        fix = _fix_for(what) if sev == "warning" else "none needed; on an accelerator it waits"
-        out.append(Finding("host_sync", sev, where, evidence, fix))
+        sev: Severity = "info"
+        note, fix = "", _fix_for(what)
+        if where in watch.library_syncs:
+            note, fix = " (inside an installed library, not your code)", _NONE
+        elif where in watch.marked_syncs:
+            note, fix = " (the line is marked `# sync:`: intentional)", _NONE
+        elif where in watch.forward_syncs:
+            note, fix = _IN_FORWARD, "keep it where the value sizes work; otherwise " + fix
+        else:
+            sev = "warning"
+        out.append(Finding("host_sync", sev, where, f"{n} sync(s) per step from {what}{note}", fix))
     return out

@@ -28,6 +28,7 @@ _TORCH = os.path.dirname(torch.__file__)
 _STDLIB = os.path.dirname(contextlib.__file__)
 _DOCTOR = os.path.dirname(os.path.abspath(__file__))
 _OPTIM = os.path.join(_TORCH, "optim")
+_MODULE_CALL = os.path.join(_TORCH, "nn", "modules", "module.py")
 
 # op -> what the user wrote to cause it
 _SYNC_OPS: dict[Any, str] = {
@@ -65,6 +66,7 @@ class Site:
     in_optimizer: bool  # under torch.optim (its CPU step counters, not the user's code)
     marked: bool = False  # the line carries a `# sync:` comment: intentional
     names_host: bool = False  # the line moves a tensor `.to("cpu")` by name
+    in_forward: bool = False  # inside a module's forward (the model's own algorithm)
 
 
 def user_site() -> Site:
@@ -81,10 +83,19 @@ def user_site() -> Site:
             line = linecache.getline(path, frame.f_lineno)
             return Site(
                 f"{_short(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
-                bool(_NAMES_HOST.search(line)),
+                bool(_NAMES_HOST.search(line)), _in_module_call(frame),
             )  # fmt: skip
         frame = frame.f_back  # type: ignore[assignment]
     return Site("<torch>", True, in_optim)
+
+
+def _in_module_call(frame: Any) -> bool:
+    """Whether an `nn.Module.__call__` encloses `frame` (its forward is running)."""
+    while frame is not None:
+        if frame.f_code.co_filename == _MODULE_CALL and frame.f_code.co_name == "_call_impl":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _short(path: str) -> str:
@@ -103,9 +114,27 @@ class OpWatch:
     syncs: dict[tuple[str, str], int] = field(default_factory=dict)  # (where, what) -> count
     library_syncs: set[str] = field(default_factory=set)  # wheres inside installed packages
     marked_syncs: set[str] = field(default_factory=set)  # wheres marked `# sync:`
+    forward_syncs: set[str] = field(default_factory=set)  # wheres inside a module's forward
     nonfinite: tuple[str, str, str] | None = None  # (op, where, input ranges)
     risks: dict[tuple[str, str], str] = field(default_factory=dict)  # (where, what) -> evidence
+    library_risks: set[str] = field(default_factory=set)  # risk wheres inside installed packages
     autocast: set[torch.dtype] = field(default_factory=set)  # autocast dtypes seen
+    paused: bool = False  # the doctor's own hooks run: their ops are not the user's
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Ops inside the block are the doctor's own (a hook measuring a gradient): unseen."""
+        self.paused, was = True, self.paused
+        try:
+            yield
+        finally:
+            self.paused = was
+
+    def note_risk(self, what: str, evidence: str, site: Site | None = None) -> None:
+        site = site or user_site()
+        self.risks.setdefault((site.where, what), evidence)
+        if site.library:
+            self.library_risks.add(site.where)
 
     def note_sync(self, what: str, site: Site | None = None) -> None:
         site = site or user_site()
@@ -117,6 +146,8 @@ class OpWatch:
             self.library_syncs.add(site.where)
         if site.marked:
             self.marked_syncs.add(site.where)
+        if site.in_forward:
+            self.forward_syncs.add(site.where)
 
 
 def value_ranges(args: Any) -> str:
@@ -141,6 +172,8 @@ class _Mode(DispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.watch.paused:
+            return func(*args, **kwargs)
         what = _SYNC_OPS.get(func)
         if what is None and func in _MASK_OPS and _has_bool_index(args):
             what = _MASK_OPS[func]
@@ -179,8 +212,8 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
         if t.dtype in (torch.float16, torch.bfloat16) and t.numel():
             big, top = float(t.abs().max().item()), torch.finfo(t.dtype).max
             if top / 64 < big < float("inf"):
-                watch.risks.setdefault(
-                    (user_site().where, f"{t.dtype}"),
+                watch.note_risk(
+                    f"{t.dtype}",
                     f"{func.overloadpacket.__name__} output reaches {big:.3g} in {t.dtype}, "
                     f"within 64x of its largest finite value {top:.3g}",
                 )
@@ -197,29 +230,25 @@ def bad_values(t: torch.Tensor) -> int:
 
 
 def _risky_input(watch: OpWatch, func: Any, x: torch.Tensor) -> None:
-    where = None
     if func in _LOG:
         bad = int((x <= 0).sum().item())
         if bad:
-            where, what = user_site().where, "log"
             evidence = f"log() of {bad} value(s) <= 0 (log(0) = -inf): input {value_ranges(x)}"
+            watch.note_risk("log", evidence)
     elif func in _EXP:
         limit = math.log(torch.finfo(x.dtype).max)
         hi = float(x.max().item())
         if hi > limit - 8:  # within a factor e^8 (~3000) of the largest finite value
-            where, what = user_site().where, "exp"
             evidence = f"exp() input reaches {hi:.3g}; {x.dtype} overflows beyond {limit:.3g}"
+            watch.note_risk("exp", evidence)
     elif func in _SOFTMAX:
         live = x[x > -1e4]  # masked entries (-inf, finfo.min) are meant to vanish
         spread = float((live.max() - live.min()).item()) if live.numel() else 0.0
         if spread > 60:
-            where, what = user_site().where, "softmax"
-            evidence = (
+            watch.note_risk("softmax", (
                 f"softmax inputs span {spread:.3g} (e^-60 = 1e-26: the softmax saturates, its "
                 "gradient vanishes, and float16 scores overflow): unscaled attention scores?"
-            )
-    if where is not None:
-        watch.risks.setdefault((where, what), evidence)
+            ))  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -242,7 +271,8 @@ def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
 
 def _noting(method: Callable[..., Any], watch: OpWatch, what: str) -> Callable[..., Any]:
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        watch.note_sync(what)
+        if not watch.paused:
+            watch.note_sync(what)
         return method(self, *args, **kwargs)
 
     return wrapper
@@ -253,7 +283,7 @@ def _noting_host_copies(method: Callable[..., Any], watch: OpWatch) -> Callable[
     line names the host (it syncs once the step runs on an accelerator)."""
 
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        target = to_target_device(args, kwargs)
+        target = None if watch.paused else to_target_device(args, kwargs)
         if target is not None and target.type == "cpu":
             site = user_site()
             if self.device.type != "cpu" or site.names_host:
