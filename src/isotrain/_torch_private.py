@@ -27,6 +27,8 @@ __all__ = [
     "compiled_call",
     "compiler_stance",
     "conv_forward",
+    "ddp_reduction_pending",
+    "ddp_reset_reduction",
     "ddp_wrapped_params",
     "default_store",
     "dynamo_allows_rnn",
@@ -72,16 +74,13 @@ def group_by_device_and_dtype(
     return {key: ([t for t in ts[0] if t is not None], idx) for key, (ts, idx) in groups.items()}
 
 
-def foreach_norms(
-    tensors: list[torch.Tensor], device: torch.device, *, ord: float = 2.0
-) -> list[torch.Tensor]:
-    """The `ord`-norm of each tensor (2, or inf: the largest |value|, NaN when one is NaN): one
-    foreach kernel where supported, a loop otherwise."""
+def foreach_norms(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The 2-norm of each tensor: one foreach kernel where supported, a loop otherwise."""
     from torch.utils._foreach_utils import _has_foreach_support
 
     if _has_foreach_support(tensors, device):
-        return list(torch._foreach_norm(tensors, ord))
-    return [torch.linalg.vector_norm(t, ord) for t in tensors]
+        return list(torch._foreach_norm(tensors, 2.0))
+    return [torch.linalg.vector_norm(t, 2.0) for t in tensors]
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -272,3 +271,21 @@ def ddp_wrapped_params(ddp: nn.Module) -> list[torch.Tensor] | None:
     (None when this torch keeps them elsewhere)."""
     params = getattr(ddp, "_module_parameters", None)
     return list(params) if isinstance(params, list) else None
+
+
+def ddp_reduction_pending(ddp: nn.Module) -> bool:
+    """Whether DDP's reducer still waits for gradients of its last backward (its hooks sit on
+    tensors that got none: the next forward would raise "Expected to have finished reduction")."""
+    reducer = getattr(ddp, "reducer", None)
+    try:
+        reducer._check_reducer_finalized()  # type: ignore[union-attr]
+    except RuntimeError:
+        return True
+    except AttributeError:
+        return False
+    return False
+
+
+def ddp_reset_reduction(ddp: nn.Module) -> None:
+    """Drop the reduction DDP's reducer waits for (what `_update_process_group` does first)."""
+    ddp.reducer._reset_state()  # type: ignore[union-attr, operator]

@@ -43,10 +43,12 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tens
     return loss
 
 
-def setup(*, wrap: Any = None, sampler: bool = True, train_step: Any = None) -> dict[str, Any]:
+def setup(
+    *, wrap: Any = None, sampler: bool = True, train_step: Any = None, find_unused: bool = False
+) -> dict[str, Any]:
     """The correct setup (or, with `wrap(model)`, one changed after DDP wrapped it)."""
     model = zoo.seeded(zoo.MLP)
-    ddp = DDP(model)
+    ddp = DDP(model, find_unused_parameters=find_unused)
     if wrap is not None:
         wrap(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
@@ -55,8 +57,10 @@ def setup(*, wrap: Any = None, sampler: bool = True, train_step: Any = None) -> 
 
 
 def new_head(model: nn.Module) -> None:
-    """BUG: a new classifier head after DDP(model) (the forum's most common DDP question):
-    DDP's hooks wait on the old head's parameters, so no bucket is ever reduced."""
+    """BUG: a new classifier head after DDP(model) (a common DDP forum question): DDP's hooks
+    wait on the old head's parameters, so no bucket is reduced; the next forward raises
+    "Expected to have finished reduction", unless find_unused_parameters=True (that error's
+    own advice) marks the old ones unused: then nothing is said and each rank trains alone."""
     model.fc2 = zoo.seeded(lambda: nn.Linear(32, 4), seed=1)
 
 
@@ -132,6 +136,8 @@ def logging_loss(*, every_rank: bool) -> Any:
 # kind, the bug as users write it, its correct twin
 CASES: list[tuple[str, Any, Any]] = [
     ("gradient_not_synchronized", lambda: setup(wrap=new_head), setup),
+    ("gradient_not_synchronized", lambda: setup(wrap=new_head, find_unused=True),
+     lambda: setup(find_unused=True)),
     ("gradient_not_synchronized", lambda: setup(wrap=dtype_round_trip), setup),
     ("gradient_not_synchronized", lambda: setup(train_step=wrapper_on_some_calls()), setup),
     ("replica_divergence", lambda: setup(train_step=clipping(every_rank=False)),

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng
-from isotrain._torch_private import tree_leaves
+from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor._snapshot import Snapshot
 
 __all__ = [
@@ -70,14 +70,19 @@ class Context:
     cache: dict[str, Any] = field(default_factory=dict)
     ranks: Any = None  # the doctor's link between ranks (a _ranks.Ranks) under a process group
     snapshot: Snapshot = field(init=False)
+    settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
+        self.settled = not (_is_ddp(self.model) and ddp_reduction_pending(self.model))
 
     def reset(self) -> None:
-        """Put the user's objects, global flags and RNG back as examine found them."""
+        """Put the user's objects, global flags and RNG back as examine found them (DDP's
+        reducer too: a step whose reduction never finished leaves it waiting)."""
         self.snapshot.restore()
         restore_rng(self.rng)
+        if self.settled and _is_ddp(self.model) and ddp_reduction_pending(self.model):
+            ddp_reset_reduction(self.model)
 
     def fresh(self) -> tuple[nn.Module, Any]:
         """The user's own model and optimizer(s), as they were when examine was called, with
@@ -176,6 +181,10 @@ def inner(model: nn.Module) -> nn.Module:
         if not isinstance(nxt, nn.Module):
             return model
         model = nxt
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 def _is_wrapper(model: nn.Module) -> bool:

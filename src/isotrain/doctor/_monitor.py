@@ -11,14 +11,12 @@ device until that check's one read (`# sync:`); other steps cost one integer tes
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain._torch_private import foreach_norms
 from isotrain.doctor._finding import Finding
 from isotrain.doctor._monitor_text import (
     diverged,
@@ -28,7 +26,14 @@ from isotrain.doctor._monitor_text import (
     stalled,
     unreachable,
 )
-from isotrain.doctor._ranks import RankError, Ranks, checksum, distributed, split_ranks
+from isotrain.doctor._ranks import (
+    RankError,
+    Ranks,
+    checksum,
+    distributed,
+    float_sum,
+    split_ranks,
+)
 
 __all__ = ["DEFAULT_EVERY", "Monitor"]
 
@@ -36,6 +41,7 @@ log = logging.getLogger("isotrain.doctor")
 DEFAULT_EVERY = 10  # measured: benchmarks/bench_monitor.py (under 1% of a tiny step at 1 too)
 STALL_STEPS = 20  # a held, trainable parameter unchanged this long is reported
 LR_RTOL = 1e-5
+_LEVELS = {"error": logging.ERROR, "warning": logging.WARNING}
 
 Schedule = Callable[[int], "float | Sequence[float]"]
 
@@ -57,6 +63,7 @@ class Monitor:
     `schedule(step) -> lr` (or a list, one per param group) is the learning rate optimizer
     step `step` (from 0) should use. Under a process group, build it on every rank at the same
     point and call `after_step()` on every rank; each exchange waits at most `timeout` s.
+    `logger=None` leaves the reporting to `on_finding`.
 
     Example::
 
@@ -76,6 +83,7 @@ class Monitor:
         on_finding: Callable[[Finding], Any] | None = None,
         start_step: int = 0,
         timeout: float = 600.0,
+        logger: logging.Logger | None = log,
     ) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive number of steps, got {every!r}")
@@ -88,7 +96,8 @@ class Monitor:
         self._group = [group_of.get(id(p), 0) for p in self.params]
         self.shared = [not _sharded(p) for p in self.params]  # whole on every rank
         self.optimizer, self.every, self.schedule = optimizer, every, schedule
-        self.on_finding, self.step = on_finding, start_step
+        self.on_finding, self.step, self.logger = on_finding, start_step, logger
+        self.checked_at: int | None = None  # the step of the last check
         self.findings: list[Finding] = []
         self._said: set[tuple[str, str]] = set()
         self._pending: dict[str, Any] | None = None  # what the pre-hook took at a check step
@@ -111,44 +120,47 @@ class Monitor:
             return
         zero = torch.zeros((), dtype=torch.int64, device=present[0].device)
         sums = torch.stack([checksum(g) if g is not None else zero for g in grads])
-        peaks = foreach_norms(present, present[0].device, ord=math.inf)
+        totals = torch.stack([float_sum(g) for g in present])
         self._pending = {
             "step": self.step,
             "sums": sums,
             "has": [g is not None for g in grads],
-            "peak": torch.stack(peaks).float(),
+            "total": totals,
             "lr": [float(g["lr"]) for g in self.optimizer.param_groups],  # sync: a check step
         }
 
     def after_step(self) -> list[Finding]:
         """Count a finished optimizer step; every `every` steps, check. Returns new findings."""
         self.step += 1
-        if not self._due(self.step):
-            return []
+        return self.check_now() if self._due(self.step) else []
+
+    def check_now(self) -> list[Finding]:
+        """Check at this step, whatever the period (every rank at the same point): e.g. before
+        a snapshot, so that each snapshot is known to be consistent."""
         try:
             return self._check()
         finally:
-            self._pending = None
+            self._pending, self.checked_at = None, self.step
 
     # -- a check --------------------------------------------------------------------------
     def _check(self) -> list[Finding]:
         device = self.params[0].device if self.params else torch.device("cpu")
         local = [_local(p) for p in self.params]
         sums = torch.stack([checksum(t) for t in local]) if local else torch.zeros(0, device=device)
-        peaks = foreach_norms(local, device, ord=math.inf) if local else []
+        totals = [float_sum(t) for t in local]
         pending = self._pending
         # sync: one read of this check's few numbers per parameter
         param_sums = sums.cpu()
-        param_peak = torch.stack(peaks).float().cpu() if peaks else torch.zeros(0)
+        param_total = torch.stack(totals).cpu() if totals else torch.zeros(0)
         grad_sums = pending["sums"].cpu() if pending else None
         found: list[Finding] = []
         if self.ranks is not None:
             found += self._across(param_sums, grad_sums)
-        found += self._stalls(param_sums.tolist())
+        found += self._stalls(param_sums.tolist(), param_total.isfinite().tolist())
         if pending is not None:
-            grad_peak = pending["peak"].cpu()
+            grad_total = pending["total"].cpu()
             found += nonfinite(
-                self.step, self.names, pending["has"], grad_peak, param_peak, self.trainable
+                self.step, self.names, pending["has"], grad_total, param_total, self.trainable
             )
             found += self._schedule(pending["step"], pending["lr"])
         return self._report(found)
@@ -200,8 +212,9 @@ class Monitor:
             out.append(diverged(self.step, bad, len(names), who, spread))
         return out
 
-    def _stalls(self, sums: list[int]) -> list[Finding]:
-        """Held, trainable parameters whose checksum has not moved for STALL_STEPS steps."""
+    def _stalls(self, sums: list[int], finite: list[bool]) -> list[Finding]:
+        """Held, trainable parameters whose checksum has not moved for STALL_STEPS steps (a NaN
+        one is said once, as nonfinite_grad)."""
         for i, (a, b) in enumerate(zip(sums, self._last or sums)):
             if a != b or self._last is None:  # the first check is the baseline
                 self._changed_at[i] = self.step
@@ -210,7 +223,10 @@ class Monitor:
         still = [
             self.names[i]
             for i, t in enumerate(self.trainable)
-            if t and lrs[self._group[i]] > 0 and self.step - self._changed_at[i] >= STALL_STEPS
+            if t
+            and finite[i]
+            and lrs[self._group[i]] > 0
+            and self.step - self._changed_at[i] >= STALL_STEPS
         ]
         total = sum(self.trainable)
         return stalled(self.step, still, total) if still else []
@@ -233,10 +249,11 @@ class Monitor:
                 continue
             self._said.add((f.kind, f.where))
             new.append(f)
-            level = {"error": logging.ERROR, "warning": logging.WARNING}.get(
-                f.severity, logging.INFO
-            )
-            log.log(level, "%s at step %d: %s: %s", f.kind, self.step, f.where, f.evidence)
+            if self.logger is not None:
+                level = _LEVELS.get(f.severity, logging.INFO)
+                self.logger.log(
+                    level, "%s at step %d: %s: %s", f.kind, self.step, f.where, f.evidence
+                )
             if self.on_finding is not None:
                 self.on_finding(f)
         self.findings += new

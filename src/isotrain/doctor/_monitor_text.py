@@ -53,14 +53,15 @@ def lost_update(step: int, bad: list[str], total: int, ranks: str) -> Finding:
 
 
 def nonfinite(
-    step: int, names: list[str], has: list[bool], grad_peak: torch.Tensor,
-    param_peak: torch.Tensor, trainable: list[bool],
+    step: int, names: list[str], has: list[bool], grad_sums: torch.Tensor,
+    param_sums: torch.Tensor, trainable: list[bool],
 ) -> list[Finding]:  # fmt: skip
-    """nonfinite_grad: NaN/Inf in the applied gradients (an error once in a parameter)."""
+    """nonfinite_grad: NaN/Inf in the applied gradients (an error once in a parameter); the
+    sums are float sums, NaN/Inf where a tensor holds one."""
     with_grad = [n for n, h in zip(names, has) if h]
-    bad_grads = [n for n, v in zip(with_grad, grad_peak.tolist()) if not math.isfinite(v)]
+    bad_grads = [n for n, v in zip(with_grad, grad_sums.tolist()) if not math.isfinite(v)]
     bad_params = [
-        n for n, v, t in zip(names, param_peak.tolist(), trainable) if t and not math.isfinite(v)
+        n for n, v, t in zip(names, param_sums.tolist(), trainable) if t and not math.isfinite(v)
     ]
     if bad_params:
         return [Finding(

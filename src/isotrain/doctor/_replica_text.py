@@ -18,7 +18,8 @@ __all__ = [
 _CAUSE = {
     "replaced": (
         "some parameters are not the tensors DistributedDataParallel wrapped: they were replaced "
-        "after DDP(model) was built, so its hooks wait on the old ones and average nothing",
+        "after DDP(model) was built, so its hooks wait on the old ones and average nothing (with "
+        "find_unused_parameters=True silently; without, DDP raises at the next step)",
         "build DistributedDataParallel(model) after the model's last change (a new or replaced "
         "layer, loaded weights assigned as new Parameters)",
     ),

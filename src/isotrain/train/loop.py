@@ -24,6 +24,7 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
+from isotrain.train import watch
 from isotrain.train.config import ConfigError, TrainConfig, flag, validate
 from isotrain.train.data import batches as data_mod
 from isotrain.train.environment import memory_for
@@ -46,7 +47,6 @@ from isotrain.train.rundir.resume import (
     StopFlag,
     StopNow,
     maybe_resume,
-    save_run,
     stop_on_signals,
 )
 from isotrain.train.rundir.snapshot import find_snapshots
@@ -233,6 +233,7 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
         )
     if maybe_resume(run, required=cfg.resume is not None):
         run.updater.mark_good(run.state.step)  # rollback returns here, never to the fresh init
+    run.monitor = watch.start(run, lock)  # under torchrun: the ranks compared first
     return run
 
 
@@ -273,7 +274,7 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
             reporter.stop()  # the bar ends here; what follows prints below it
             if stopped:
                 _write_skips(run, metrics)
-                save_run(run)
+                watch.save(run, run.monitor)
                 raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
             _evaluate_and_record(run, reporter, metrics, baseline)
             _finish(run, reporter, metrics, baseline, train_time, stop)
@@ -319,9 +320,10 @@ def _loop(
                     _evaluate_and_record(run, reporter, metrics, baseline)
                 if snapshot_due:
                     _write_skips(run, metrics)  # a crash after the snapshot keeps them
-                    save_run(run)
+                    watch.save(run, run.monitor)
                     clock.reset()
         outcome = train_step(run)
+        watch.after_step(run, run.monitor)  # every --doctor.every steps: Diverged if ranks disagree
         if not stop and launcher.gone():  # torchrun's agent died: stop as for SIGTERM
             log.warning("the launcher (PID %s) exited: stopping with a snapshot", launcher.parent)
             stop.signal = signal.SIGTERM
@@ -446,7 +448,7 @@ def _finish(
 ) -> None:
     """Final snapshot, the summary, then a sample (a signal during it skips the rest of it)."""
     cfg, st = run.cfg, run.state
-    save_run(run)
+    watch.save(run, run.monitor)
     summary = _summary(run, baseline, train_time)
     metrics.write("summary", **summary)
     if cfg.sample_tokens and not stop:
