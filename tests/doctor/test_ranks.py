@@ -8,11 +8,14 @@ and no warning.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
+import io
 import json
 import os
 import random
+import re
 import socket
 import time
 from pathlib import Path
@@ -139,6 +142,32 @@ def _monitored(rank: int, *, faulty: bool, steps: int = 200) -> dict[str, Any]:
     return {"stopped_at": monitor.step, "found": [f.__dict__ for f in found], "first_fault": first}
 
 
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _across_ranks_blocks(lang: str) -> list[str]:
+    section = README.read_text().split("## Across ranks", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+
+
+def _readme(out: Path) -> dict[str, Any]:
+    """`isotrain doctor ddp_example.py --checks fast` on every rank, as torchrun runs it: what
+    each rank prints and its exit status, for the README's file and for its fix."""
+    from isotrain.train.cli.main import main
+
+    example, fixed = _across_ranks_blocks("python")[:2]
+    res: dict[str, Any] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.chdir(out):
+        for name, code in (("example", example), ("fixed", example + fixed)):
+            Path(f"ddp_{name}.py").write_text(code)
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                res[f"{name}_status"] = main(["doctor", f"ddp_{name}.py", "--checks", "fast"])
+            res[f"{name}_printed"] = printed.getvalue()
+    return res
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
@@ -151,6 +180,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         for name, part in (
             ("cases", _cases), ("all", _correct_setup_under_all_checks),
             ("silent", lambda: _silent_rank(rank)),
+            ("readme", lambda: _readme(Path(out, f"readme{rank}"))),
             ("faulty", lambda: {"faulty": _monitored(rank, faulty=True)}),
             ("sound", lambda: {"sound": _monitored(rank, faulty=False)}),
         ):  # fmt: skip
@@ -246,3 +276,18 @@ def test_the_monitor_finds_a_corrupted_all_reduce_within_a_period(world) -> None
         assert found["evidence"].startswith("at step 110, ")
         assert "(ranks 0 and 1 differ; max |difference| " in found["evidence"]
         assert res["sound"] == {"stopped_at": 200, "found": [], "first_fault": None}
+
+
+def _timing_free(text: str) -> str:
+    return re.sub(r"in [0-9.]+ s\)", "in ... s)", text)
+
+
+@pytest.mark.slow
+def test_the_readme_table_is_what_rank_0_prints_under_torchrun(world) -> None:
+    first, other = world
+    (shown,) = [b for b in _across_ranks_blocks("text") if b.startswith("SEVERITY")]
+    assert _timing_free(first["example_printed"]) == _timing_free(shown)
+    assert other["example_printed"] == ""  # one table: rank 0's
+    assert first["example_status"] == other["example_status"] == 1
+    assert first["fixed_status"] == other["fixed_status"] == 0
+    assert "0 error(s), 0 warning(s)" in first["fixed_printed"] and other["fixed_printed"] == ""
