@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import re
 
@@ -167,6 +168,13 @@ def test_policy_under_compile_aot_eager(policy: str, where: str) -> None:
         torch._dynamo.reset()
     # aot_eager replays the same aten kernels, so fp32 on CPU is still bit-exact.
     assert_same(got, ref)
+
+
+def test_a_wrapped_forward_keeps_its_signature() -> None:
+    """Frameworks read it: HF Trainer drops the dataset columns `model.forward` does not name."""
+    model, _ = make()
+    apply_activation_checkpointing(model, policy="full", modules=(Block,))
+    assert inspect.signature(model.blocks[0].forward) == inspect.signature(Block().forward)
 
 
 def test_deepcopy_of_wrapped_model_uses_its_own_weights() -> None:

@@ -7,6 +7,7 @@ test pays no interpreter start-up and the autouse isolation audit sees any state
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -130,6 +131,19 @@ def check_hf_transformers(capsys: pytest.CaptureFixture[str]) -> None:
     assert "state leaks: none" in out
 
 
+def check_doctor_setup(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run("doctor_setup", capsys)
+    first, last = grab(rf"val loss {NUM} -> {NUM}", out)
+    assert float(last) < float(first) - 0.3
+    assert out.count("  loss ") == 4  # four log lines; importing the file (below) trains nothing
+    capsys.readouterr()
+    setup = load("doctor_setup").doctor_setup()
+    assert capsys.readouterr().out == ""
+    from isotrain.doctor import examine  # the doctor CLI's run: tests/doctor/test_doctor_cli.py
+
+    assert set(setup) <= set(inspect.signature(examine).parameters)
+
+
 def _step_line(out: str, step: int) -> tuple[str, str]:
     """(lr, rest of the line) of an example's "step N  loss L  lr R  ..." log line."""
     lr, rest = grab(rf"step {step:3d}  loss {NUM}  lr {NUM}  (.*)", out)[1:]
@@ -170,6 +184,7 @@ CHECKS: dict[str, Callable[[pytest.CaptureFixture[str]], None]] = {
     "hf_transformers": check_hf_transformers,
     "hf_trainer": check_hf_trainer,
     "lightning_trainer": check_lightning_trainer,
+    "doctor_setup": check_doctor_setup,
 }
 
 

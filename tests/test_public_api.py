@@ -1,5 +1,9 @@
 """The public API: every exported name is documented; the seed's names work as it calls them."""
 
+import ast
+import importlib
+from pathlib import Path
+
 import torch
 
 import isotrain
@@ -33,3 +37,22 @@ def test_seed_quantize_call_shapes() -> None:
     assert torch.equal(x.grad, torch.ones_like(x))
     assert torch.allclose(y * 255, (y * 255).round())
     assert torch.allclose(isotrain.quantize(x, 4) * 3, (isotrain.quantize(x, 4) * 3).round())
+
+
+def test_the_lazy_api_and_its_typed_imports_name_the_same_homes() -> None:
+    """NOTE [lazy public API]: `_EXPORTS` (run time), the `if TYPE_CHECKING:` imports (type
+    checkers) and `__all__` list the same names, each from the package that defines it."""
+    tree = ast.parse(Path(isotrain.__file__).read_text())
+    typed = {
+        alias.name: node.module
+        for block in tree.body
+        if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
+        for node in block.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert typed == isotrain._HOME
+    assert sorted(typed) == sorted(n for n in isotrain.__all__ if n != "__version__")
+    for name, home in typed.items():
+        assert getattr(isotrain, name) is getattr(importlib.import_module(home), name), name
+    assert isotrain.guard is importlib.import_module("isotrain.guard")

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrizations, parametrize
 
 from isotrain.autograd import QuantLinear, quantize_layers, quantize_linear_layers
 from isotrain.autograd._qat import _absmax_fake_quant
@@ -161,3 +162,67 @@ def test_quantize_linear_layers_names_the_layers_it_cannot_convert() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # excluded and embedding layers are choices: no warning
         quantize_linear_layers(nn.Sequential(nn.Embedding(4, 8), nn.Linear(8, 2)), bits=8)
+
+
+# --------------------------------------------------------------------- parametrized layers
+class Symmetric(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return (w + w.T) / 2
+
+    def right_inverse(self, w: torch.Tensor) -> torch.Tensor:
+        return w  # exact for a symmetric w
+
+
+class LowRankDelta(nn.Module):
+    """A LoRA-style parametrization: the weight plus a learned low-rank product."""
+
+    def __init__(self, out: int, inp: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(2, inp)), nn.Parameter(torch.randn(out, 2))
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w + self.b @ self.a
+
+
+def _parametrized() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.Flatten(), nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 8)
+    )
+    parametrizations.weight_norm(model[0])
+    parametrize.register_parametrization(model[2], "weight", Symmetric())
+    parametrizations.spectral_norm(model[3])  # power iteration: buffers advance per read
+    parametrize.register_parametrization(model[4], "weight", LowRankDelta(8, 16))
+    return model
+
+
+def _by_hand(model: nn.Sequential, x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The converted forward spelled out: each composed weight read once, then quantized."""
+    conv = model[0]
+    w = _absmax_fake_quant(conv.weight, (1, 2, 3), qmax)
+    x = F.conv2d(x, w, conv.bias).flatten(1)
+    for layer in model[2:]:
+        x = F.linear(x, _absmax_fake_quant(layer.weight, 1, qmax), layer.bias)
+    return x
+
+
+def test_parametrized_layers_quantize_the_composed_weight() -> None:
+    model, x = _parametrized(), torch.randn(3, 2, 4, 4)
+    twin = copy.deepcopy(model)
+    report = quantize_layers(model, bits=4)
+    assert report.converted == ("0", "2", "3", "4") and report.skipped == ()
+    out = model(x)
+    want = _by_hand(twin, x, qmax=7)
+    assert torch.equal(out, want)
+    out.square().sum().backward()
+    want.square().sum().backward()
+    grads = [(n, p.grad) for n, p in model.named_parameters()]
+    assert len(grads) == 11 and all(g is not None for _, g in grads)  # originals, a, b, biases
+    assert all(torch.equal(g, q.grad) for (_, g), q in zip(grads, twin.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), twin.buffers(), strict=True))
+    sym = model[2]  # outside forwards: the composed weight; assignment via right_inverse
+    assert torch.equal(sym.weight, twin[2].weight)
+    sym.weight = torch.eye(16)
+    assert torch.equal(sym.parametrizations.weight.original, torch.eye(16))
+    quantize_layers(model, bits=4, exclude=["2"])
+    assert type(model[2]) is type(twin[2]) and torch.equal(model[2].weight, torch.eye(16))

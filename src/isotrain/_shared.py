@@ -7,6 +7,7 @@ Private to isotrain: the pattern packages import it, users reach `find_blocks` t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import random
 import sys
@@ -136,6 +137,13 @@ class ForwardWrapper:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call_inner(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The replaced forward's signature: frameworks read it (HF Trainer keeps only the
+        dataset columns `model.forward` names)."""
+        inner = self.inner if self.inner is not None else self.base.__get__(self.module)
+        return inspect.signature(inner)
 
 
 def install_forward(module: nn.Module, wrapper: type[ForwardWrapper], *args: Any) -> Any:

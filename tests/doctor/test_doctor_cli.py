@@ -10,6 +10,8 @@ import pytest
 
 from isotrain.train.cli.main import main
 
+ROOT = Path(__file__).resolve().parents[2]
+
 SETUP = """
 from tests.doctor import zoo
 
@@ -24,6 +26,9 @@ def not_a_dict():
 
 def typo():
     return {**zoo.mlp_setup(), "stepp": None}
+
+def sync_only():
+    return {**zoo.mlp_setup(step=zoo.step_with_item), "checks": ["host_sync"]}
 """
 
 
@@ -62,6 +67,43 @@ def test_only_examines_the_kinds_named(setup_file: Path, tmp_path: Path) -> None
     data = json.loads(report.read_text())
     assert data["checks"] == ["host_sync"]
     assert [f["kind"] for f in data["findings"]] == ["host_sync"]
+
+
+def test_the_setups_own_checks_apply_unless_a_flag_names_others(
+    setup_file: Path, tmp_path: Path
+) -> None:
+    report = tmp_path / "own.json"
+    assert main(["doctor", f"{setup_file}:sync_only", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["checks"] == ["host_sync"]
+    argv = ["doctor", f"{setup_file}:sync_only", "--checks", "fast", "--json", str(report)]
+    assert main(argv) == 0
+    assert "mode_leak" in json.loads(report.read_text())["checks"]
+
+
+def test_the_shipped_example_is_clean_under_every_check(capsys) -> None:
+    """`isotrain doctor examples/doctor_setup.py`, as the README runs it: no error, no warning."""
+    assert main(["doctor", str(ROOT / "examples/doctor_setup.py")]) == 0
+    assert "0 error(s), 0 warning(s)" in capsys.readouterr().out
+
+
+def test_a_missing_function_names_the_keys_and_a_file_that_exists(
+    setup_file: Path, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    assert main(["doctor", f"{setup_file}:nothere"]) == 2
+    assert capsys.readouterr().err == (
+        f"isotrain doctor: error: {setup_file} defines no function nothere(); write one "
+        "returning a dict of isotrain.doctor.examine's arguments (model, optimizer, batches and "
+        "any of step, loss_fn, eval_fn, checks, task, samples_interact, loss_falls, rank_timeout), "
+        "as in examples/doctor_setup.py\n"
+    )
+    assert main(["doctor", "missing.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "isotrain doctor: error: missing.py: no such Python file; give the script that defines "
+        "your setup function (a worked one: examples/doctor_setup.py)\n"
+    )
+    assert (ROOT / "examples/doctor_setup.py").is_file()
 
 
 @pytest.mark.parametrize(

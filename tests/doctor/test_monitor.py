@@ -16,7 +16,7 @@ from tests.doctor import zoo
 
 from isotrain.doctor import Finding, Monitor
 from isotrain.doctor import _monitor as monitor_mod
-from isotrain.guard import StepGuard
+from isotrain.guard import GuardedOptimizer, StepGuard
 
 LR = 0.1
 
@@ -136,3 +136,21 @@ def test_the_period_must_be_a_positive_number_of_steps(every: Any) -> None:
     model = zoo.seeded(zoo.MLP)
     with pytest.raises(ValueError, match=r"^every must be a positive number of steps, got "):
         Monitor(model, torch.optim.SGD(model.parameters(), lr=LR), every=every)
+
+
+class _Wrapper:  # a loop's own optimizer wrapper (Lightning's LightningOptimizer is one)
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+
+def test_a_wrapper_that_is_no_optimizer_is_refused_with_the_way_in() -> None:
+    model = zoo.seeded(zoo.MLP)
+    wrapped = _Wrapper(torch.optim.SGD(model.parameters(), lr=LR))
+    with pytest.raises(TypeError, match=r"^Monitor needs a torch.optim.Optimizer \(it hooks its "
+                       r"step\), got _Wrapper; pass the one inside"):  # fmt: skip
+        Monitor(model, wrapped)  # type: ignore[arg-type]
+    guarded = GuardedOptimizer(wrapped.optimizer, model)  # a torch Optimizer: its step is hooked
+    Monitor(model, guarded).close()

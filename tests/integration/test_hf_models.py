@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
+import warnings
 from typing import Any
 
 import pytest
 import torch
 from tests.integration.zoo import seeded
 
-from isotrain.autograd import quantize_layers
+from isotrain.autograd import quantize_layers, quantize_linear_layers
+from isotrain.autograd._qat import _absmax_fake_quant
 from isotrain.checkpointing import apply_activation_checkpointing, measure_activation_memory
 from isotrain.compile import compile_model, no_recompiles, track_compiles, warmup
 from isotrain.contexts import StateAudit, eval_mode
@@ -122,6 +125,28 @@ def test_qat_converts_gpt2_conv1d_layers_and_the_loss_falls(built, bits) -> None
         opt.step()
         losses.append(out.loss.item())
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_quantize_linear_layers_converts_gpt2_conv1d_and_says_so(built, caplog) -> None:
+    model = copy.deepcopy(built["gpt2"])
+    fp32 = model(**batch()).logits
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # embeddings and an excluded head are choices: no warning
+        with caplog.at_level(logging.INFO, logger="isotrain.autograd._qat_convert"):
+            quantize_linear_layers(model, bits=4, exclude=["lm_head"])
+    said = caplog.records[-1].getMessage()
+    assert said.startswith("quantized 8 layer(s), left 3\n  converted transformer.h.0.attn.c_attn")
+    assert "kept lm_head (Linear): excluded by 'lm_head'" in said
+    layers = [m for n, m in model.named_modules() if n.endswith(("c_attn", "c_proj", "c_fc"))]
+    assert len(layers) == 8 and all(type(m).__name__ == "QuantConv1D" for m in layers)
+    assert type(model.lm_head) is torch.nn.Linear
+    c_attn, x = layers[0], torch.randn(2, 5, 32)
+    w = _absmax_fake_quant(c_attn._parameters["weight"], 0, 7)  # per output column, 4 bits
+    assert torch.equal(c_attn(x), torch.addmm(c_attn.bias, x.view(10, 32), w).view(2, 5, 96))
+    assert not torch.allclose(model(**batch()).logits, fp32, atol=1e-3)
+    compiled = torch.compile(copy.deepcopy(built["gpt2"]), backend="eager")  # names: _orig_mod.*
+    quantize_linear_layers(compiled, bits=4, exclude=["lm_head"])
+    assert type(compiled.lm_head) is torch.nn.Linear
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

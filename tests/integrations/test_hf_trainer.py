@@ -172,24 +172,32 @@ def test_resume_after_a_skip_equals_the_uninterrupted_run(tmp_path: Path) -> Non
     assert resumed_rec.lrs[6] == rec.lrs[6]
 
 
-def test_evaluation_during_training_leaves_the_run_bitwise_the_same(tmp_path: Path) -> None:
-    def noisy_eval(trainer: Any) -> None:  # an eval forward that draws from the global RNG
-        trainer.model.register_forward_hook(lambda m, i, o: torch.rand(1) and None)
-
-    runs = []
-    for every in (None, 2):
+def test_evaluation_changes_the_plain_run_and_leaves_the_guarded_one_bitwise_the_same(
+    tmp_path: Path,
+) -> None:
+    """Trainer's own evaluation advances the global torch RNG, so with dropout the plain run
+    trains on after an evaluation with other masks; GuardedTrainer evaluates inside
+    `rng_isolated`, so its run equals the plain run without evaluation, bit for bit."""
+    plain = transformers.Trainer(model=_model(), args=_args(tmp_path), eval_dataset=_data(8))
+    before = torch.get_rng_state()
+    plain.evaluate()
+    assert not torch.equal(torch.get_rng_state(), before)  # eval mode: no dropout draws here
+    runs = {}
+    for guarded, every in ((True, None), (True, 2), (False, None), (False, 2)):
         model = _model()
-        rec = _Recorder(model, K)
-        kw = {"eval_strategy": "steps", "eval_steps": every} if every else {}
         model.transformer.drop.p = 0.1  # dropout: training itself draws from the RNG
-        trainer = GuardedTrainer(
+        rec = _Recorder(model, None)
+        kw = {"eval_strategy": "steps", "eval_steps": every} if every else {}
+        cls = GuardedTrainer if guarded else transformers.Trainer
+        trainer = cls(
             model=model, args=_args(tmp_path, **kw), train_dataset=_data(),
             eval_dataset=_data(8), callbacks=[rec],
         )  # fmt: skip
-        noisy_eval(trainer)
         trainer.train()
-        runs.append(rec.snaps[6])
-    assert _same(*runs)
+        runs[guarded, every] = rec.snaps[6]
+    assert _same(runs[True, None], runs[False, None])  # no evaluation: guarded == plain
+    assert _same(runs[True, 2], runs[True, None])  # guarded: evaluation changes nothing
+    assert not _same(runs[False, 2], runs[False, None])  # plain: evaluation changes training
 
 
 def test_importing_isotrain_imports_no_framework() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -154,10 +155,20 @@ def test_resume_from_a_checkpoint_after_the_skip_equals_the_uninterrupted_run(
         assert scales == [2.0**9, 2.0**9]
 
 
-def test_validation_during_training_leaves_the_run_bitwise_the_same() -> None:
-    runs = [_fit(guarded=True, dropout=0.2, val_every=every)[1] for every in (None, 2)]
+def test_validation_changes_the_plain_run_and_leaves_the_guarded_one_bitwise_the_same() -> None:
+    """A validation step that draws from the global RNG (here `torch.rand(1)`) changes the
+    dropout masks of every plain step after it; under GuardCallback validation runs inside
+    `rng_isolated`, so the guarded run equals the plain run without validation, bit for bit."""
     last = 2 * STEPS_PER_EPOCH
-    assert _same(runs[0].snaps[last], runs[1].snaps[last])
+    runs = {
+        (guarded, every): _fit(guarded=guarded, nan_at=None, dropout=0.2, val_every=every)[1]
+        for guarded in (True, False)
+        for every in (None, 2)
+    }
+    snaps = {key: rec.snaps[last] for key, rec in runs.items()}
+    assert _same(snaps[True, None], snaps[False, None])  # no validation: guarded == plain
+    assert _same(snaps[True, 2], snaps[True, None])  # guarded: validation changes nothing
+    assert not _same(snaps[False, 2], snaps[False, None])  # plain: validation changes training
 
 
 def test_a_missing_lightning_is_a_one_line_error_naming_the_extra() -> None:
@@ -252,6 +263,31 @@ def test_manual_optimization_uses_guarded_optimizer_directly() -> None:
     assert _finite(trainer)
     with pytest.raises(ValueError, match="GuardCallback guards automatic optimization"):
         _bare(callbacks=[GuardCallback()]).fit(_Manual(), _loader())
+
+
+class _ArmAt(pl.Callback):
+    """Arms the NaN gradient at the given optimizer steps (1-based)."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+
+    def on_train_batch_start(self, trainer: Any, module: Any, *a: Any) -> None:
+        module.armed = trainer.global_step + 1 in self.steps
+
+
+def test_skips_between_log_steps_reach_the_loggers(tmp_path: Path) -> None:
+    logger = pl.loggers.CSVLogger(tmp_path, name="run", version=0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=8, logger=logger, log_every_n_steps=5,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[GuardCallback(), _ArmAt(3, 7)],
+    )  # fmt: skip
+    trainer.fit(_Module(), _loader(8))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [(r["step"], r["skipped_steps"], r["skip_reason"]) for r in csv.DictReader(f)]
+    # Logged at step index 4 (the 5th step): the skip of step 3, reason 2 (NONFINITE_GRAD);
+    # the skip of step 7 came after the last log step: written when training ended.
+    assert rows == [("4", "1.0", "2.0"), ("7", "2.0", "2.0")]
 
 
 class _DeadBranch(_Module):

@@ -250,6 +250,35 @@ def test_train_help_is_short_and_grouped(capsys) -> None:
     assert "--preset" in full and "--config" in full and "--guard.spike-k" in full
 
 
+# Each line: argv, then the exit status it must give without importing torch.
+NO_TORCH = """
+import sys
+from isotrain.train.cli.main import main
+for argv, expected in [
+    (["--help"], 0), (["--version"], 0), ([], 2), (["bogus"], 2),
+    (["train", "--help"], 0), (["train", "--help", "guard"], 0), (["train", "--help-all"], 0),
+    (["train", "--stepz", "3"], 2), (["train", "--steps", "fifty"], 2),
+    (["train", "--preset", "huge"], 2), (["train", "--model.d-model", "130"], 2),
+    (["sample", "--help"], 0), (["sample", "--tokenz", "3"], 2), (["doctor", "--help"], 0),
+    (["export", "--help"], 0), (["plot", "--help"], 0), (["prepare", "--input"], 2),
+]:
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    if status != expected or "torch" in sys.modules:
+        raise SystemExit(f"NO: {argv} exited {status}, torch imported: {'torch' in sys.modules}")
+"""
+
+
+def test_help_version_and_argument_errors_answer_before_torch_is_imported() -> None:
+    """They answer at once: importing torch takes seconds (1.6 s on an idle 2-core CPU)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr.splitlines()[-1:]
+
+
 @pytest.mark.slow
 def test_subprocess_smoke(tmp_path) -> None:
     run = tmp_path / "run"

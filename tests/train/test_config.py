@@ -10,7 +10,7 @@ import pytest
 
 from isotrain.train import config as C
 from isotrain.train.cli.main import parse_train_args
-from isotrain.train.model import gpt as model_module
+from isotrain.train.model import shape as model_module
 from isotrain.train.weights.load import build_model
 
 

@@ -173,6 +173,28 @@ def test_fine_tune_from_an_exported_file(source_run, tmp_path, capsys) -> None:
     assert code == 2 and f"pass --init-from {out}" in capsys.readouterr().err
 
 
+def test_init_from_warns_only_about_the_shape_flags_it_overrides(tmp_path, caplog) -> None:
+    """A shape flag the user passed and the weights override is a warning; a value the user
+    never passed (a default, a preset's) is information, naming where it came from."""
+    from isotrain.train.model.gpt import GPT, GPTConfig
+    from isotrain.train.weights.export import export_safetensors
+
+    torch.manual_seed(0)
+    shape = GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=16, gelu="tanh")
+    init = export_safetensors(GPT(shape), tmp_path / "init.safetensors")
+    argv = ["train", *SMOKE, "--init-from", str(init), "--model.n-layer", "3", "--steps", "1"]
+    argv += ["--sample-tokens", "0", "--no-progress", "--out-dir", str(tmp_path / "ft")]
+    with caplog.at_level("INFO", logger="isotrain.train.inputs"):
+        assert main(argv) == 0
+    shaped = [(r.levelname, r.getMessage()) for r in caplog.records if "model shape" in r.msg]
+    assert shaped == [
+        ("WARNING", f"--init-from {init} overrides the model shape you passed: "
+                    "--model.n-layer 1 (you passed 3)"),
+        ("INFO", f"--init-from {init} sets the model shape: --model.block-size 16 "
+                 "(--preset smoke: 32), --model.gelu 'tanh' (default: 'exact')"),
+    ]  # fmt: skip
+
+
 def test_fine_tune_a_gpt2_saved_by_transformers(corpus, tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(

@@ -154,7 +154,7 @@ def _make_argv(target: str) -> list[str]:
 
 def _user_files(root: Path) -> None:
     """What the README's commands take as the user's own: notes, code, a corpus, a local GPT-2
-    folder, a nanoGPT data folder with its tokenizer."""
+    folder, a nanoGPT data folder with its tokenizer; and the clone's doctor example."""
     from isotrain.train.data.tokenizer import HFTokenizer, text_chunks
 
     lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(600)]
@@ -180,26 +180,8 @@ def _user_files(root: Path) -> None:
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=300, n_positions=64)
     transformers.GPT2LMHeadModel(config).save_pretrained(root / "models/gpt2")
     tok.save(root / "models/gpt2/tokenizer.json")
-    (root / "train.py").write_text(DOCTOR_SETUP)
-
-
-# A user's own script for `isotrain doctor train.py`: a clean loop, so the doctor exits 0.
-DOCTOR_SETUP = """
-import torch
-import torch.nn.functional as F
-
-
-def doctor_setup():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(3)]
-    return {
-        "model": model,
-        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
-        "batches": batches,
-        "loss_fn": lambda m, b: F.cross_entropy(m(b[0]), b[1]),
-    }
-"""
+    (root / "examples").mkdir()  # a clone's: the README runs the doctor on its example
+    shutil.copy(ROOT / "examples/doctor_setup.py", root / "examples")
 
 
 @pytest.mark.slow
@@ -267,7 +249,7 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
         assert (tmp_path / path).is_dir(), path
     assert {p.name for p in tmp_path.iterdir()} <= {  # nothing the README did not name
         "runs", "plots", "model.safetensors", "my-gpt", "data", "wandb-home",
-        "notes", "src", "corpus", "tests", "gpt2", "models", "nanoGPT", "train.py", "doctor.json",
+        "notes", "src", "corpus", "tests", "gpt2", "models", "nanoGPT", "examples", "doctor.json",
     }  # fmt: skip
 
 

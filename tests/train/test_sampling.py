@@ -51,6 +51,7 @@ def test_several_samples_from_a_prompt_file(model_file, tmp_path, capsys) -> Non
         ("--tokens", "-1", "--tokens -1 is invalid: use 0 or more; try --tokens 200"),
         ("--top-p", "1.5", "--top-p 1.5 is invalid: use a probability in (0, 1], or None (off)"),
         ("--num-samples", "0", "--num-samples 0 is invalid: use 1 or more; try --num-samples 3"),
+        ("--max-whitespace", "-1", "--max-whitespace -1 is invalid: use 0 (off) or more"),
     ],
 )
 def test_bad_sampling_values_are_one_line_errors(model_file, capsys, flag, value, message) -> None:
@@ -73,3 +74,61 @@ def test_the_end_of_run_prompt_is_whole_lines_of_the_validation_data() -> None:
     assert a == prompt_from(val, tok, seed=3) != prompt_from(val, tok, seed=4)
     assert a.endswith("\n") and a.startswith("line ") and a in text
     assert all(line in text.splitlines() for line in a.splitlines())
+
+
+def _space_lover(block_size: int = 16) -> GPT:
+    """A GPT whose every next byte is a space, else "x": the run of spaces a small model can
+    fall into at a low temperature, made certain (NOTE [whitespace runs])."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=block_size))
+    with torch.no_grad():
+        model.ln_f.weight.zero_()  # logits = ln_f.bias @ wte.T, whatever the input
+        model.ln_f.bias.copy_(torch.eye(16)[0])
+        model.wte.weight.zero_()
+        model.wte.weight[32, 0], model.wte.weight[ord("x"), 0] = 10.0, 5.0  # " " first, "x" next
+    return model
+
+
+def test_a_whitespace_run_stops_at_max_whitespace_and_the_budget_goes_on_text() -> None:
+    model = _space_lover()
+    greedy = {"temperature": 0.0}
+    assert samples(model, "a", 12, max_whitespace=0, **greedy) == [" " * 12]  # the old way
+    assert samples(model, "a", 12, max_whitespace=4, **greedy) == ["    x    x  "]
+    assert samples(model, "a  ", 12, max_whitespace=4, **greedy) == ["  x    x    "]  # the prompt's
+    drawn = samples(model, "a", 200, temperature=0.7, top_p=0.5, max_whitespace=4)[0]
+    assert drawn == "    x" * 40  # block_size 16: the context is all spaces long before 200
+    assert samples(model, "a", 40)[0] == " " * 40  # the default, 64: a run shorter is untouched
+
+
+def test_whitespace_counts_characters_of_multi_space_tokens() -> None:
+    from isotrain.train.data.tokenizer import HFTokenizer, text_chunks
+    from isotrain.train.model.sampling import whitespace_chars
+
+    tok = HFTokenizer.train_bpe(text_chunks("def f(x):\n        return x\n" * 200), 300)
+    chars = whitespace_chars(tok, 320, torch.device("cpu")).tolist()
+    for i in range(320):
+        text = tok.decode([i]) if i < tok.vocab_size else ""
+        assert chars[i] == (len(text) if text.isspace() else 0), (i, text)
+    assert max(chars) >= 8  # a token of eight spaces counts eight
+
+
+def test_isotrain_sample_says_when_a_run_of_whitespace_was_stopped(tmp_path, capsys) -> None:
+    path = export_safetensors(_space_lover(), tmp_path / "spaces.safetensors")
+    args = ["sample", str(path), "--prompt", "a", "--tokens", "70", "--num-samples", "2"]
+    assert main([*args, "--temperature", "0"]) == 0
+    out, err = capsys.readouterr()
+    line = "a" + " " * 64 + "x\n"  # then 5 spaces, left out as trailing
+    assert out == f"--- sample 1 of 2 ---\n{line}--- sample 2 of 2 ---\n{line}"
+    assert err.splitlines()[-1] == (
+        "(a run of 64 whitespace characters was stopped in sample 1, 2; --max-whitespace 0 lets "
+        "it go on)"
+    )
+    assert main([*args, "--temperature", "0", "--max-whitespace", "0", "--raw"]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("a" + " " * 70 + "\n") == 2 and err == ""
+
+
+def test_the_cli_default_is_the_samplers() -> None:
+    from isotrain.train.cli.commands import SampleArgs
+    from isotrain.train.model.sampling import MAX_WHITESPACE
+
+    assert SampleArgs().max_whitespace == MAX_WHITESPACE

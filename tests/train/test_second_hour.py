@@ -25,19 +25,21 @@ def run(tmp_path_factory) -> Path:
 
 
 def test_a_sample_is_text_without_trailing_spaces_or_blank_runs() -> None:
-    assert tidy("def f():   \n    return 1    \n\n\n\n\nlater") == "def f():\n    return 1"
+    text = "def f():   \n    return 1    \n\n\n\n\nlater"  # four blank lines: two stay
+    assert tidy(text) == "def f():\n    return 1\n\n\nlater"  # and what follows them
     assert tidy("a\n\nb  \n" + " " * 160) == "a\n\nb"  # one blank line stays
+    assert tidy("\n\n\n\nx = 1\n\n\n") == "\n\nx = 1"
     assert tidy("x = 1") == "x = 1"
 
 
 def test_sample_says_when_it_tidied_and_raw_prints_as_generated(run, capsys) -> None:
     args = ["sample", str(run), "--prompt", "x   \n\n\n\n", "--tokens", "4"]
+    assert main([*args, "--raw"]) == 0
+    raw, err = capsys.readouterr()
+    assert raw.startswith("x   \n\n\n\n") and len(raw) > len("x   \n\n\n\n\n") and err == ""
     assert main(args) == 0
     out, err = capsys.readouterr()
-    assert out == "x\n" and "--raw shows them" in err
-    assert main([*args, "--raw"]) == 0
-    out, err = capsys.readouterr()
-    assert out.startswith("x   \n\n\n\n") and len(out) > len("x   \n\n\n\n\n") and err == ""
+    assert out == tidy(raw[:-1]) + "\n" and out.startswith("x\n\n") and "--raw shows them" in err
 
 
 @pytest.mark.parametrize("fmt", ["isotrain", "hf"])

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from isotrain._torch_private import conv_forward, in_backward
 from isotrain.autograd._ste import _LSQ, Gradient, _check_bits, _check_gradient
@@ -23,6 +24,7 @@ __all__ = [
     "QuantLinear",
     "install_reads",
     "made_class",
+    "stored_tensors",
 ]
 
 
@@ -80,17 +82,56 @@ def install_reads(module: nn.Module) -> None:
         module.register_forward_hook(_Exit(), always_call=True)
 
 
+# NOTE [parametrized layers]
+# torch.nn.utils.parametrize moves a layer's weight to `parametrizations.weight.original*` and
+# gives the layer's class a property that composes it (weight_norm's g and v, orthogonal,
+# spectral_norm, a LoRA delta). A converted parametrized layer quantizes that composed weight
+# where the forward reads it, once per read as the plain layer composes it once per read (the
+# parametrization's buffers advance as they would unconverted; `parametrize.cached()` holds);
+# outside forwards `layer.weight` is the composed weight, and assigning to it goes to the
+# parametrization's right_inverse, as before conversion. The report counts the originals
+# (and any parameters of the parametrizations) as the layer's: they are what it reads.
+_OWN_READS: set[int] = set()  # ids of the properties `_quantized_read` made
+
+
+def _composed(module: nn.Module, name: str) -> property | None:
+    """The property torch.nn.utils.parametrize put on `module`'s class for `name`, or None."""
+    for cls in type(module).__mro__:
+        prop = cls.__dict__.get(name)
+        if isinstance(prop, property) and id(prop) not in _OWN_READS:
+            return prop
+    return None
+
+
+def stored_tensors(module: nn.Module, name: str) -> list[Tensor]:
+    """The Parameters behind `module.<name>`: itself, or a parametrization's originals and
+    parameters (NOTE [parametrized layers]); empty when there is none."""
+    p = module._parameters.get(name)
+    if p is not None:
+        return [p]
+    if parametrize.is_parametrized(module, name):
+        return list(module.parametrizations[name].parameters())  # type: ignore[index, union-attr]
+    return []
+
+
 def _quantized_read(name: str) -> property:
     def read(self: Any) -> Tensor | None:
-        params = self._parameters
-        if name not in params:
-            raise AttributeError(name)  # not registered yet (hasattr in register_parameter)
-        p: Tensor | None = params[name]
+        p = self.raw(name)
         if p is None or not (_READING[0] or in_backward()):
             return p
-        return self.quantized(name)
+        return self.fake_quantized(p)
 
-    return property(read, doc=f"`{name}`, fake-quantized inside forwards: NOTE [quantized reads]")
+    def write(self: Any, value: Tensor) -> None:
+        prop = _composed(self, name)  # NOTE [parametrized layers]: right_inverse
+        if prop is None or prop.fset is None:
+            raise AttributeError(f"cannot assign {name!r} of {type(self).__name__}")
+        prop.fset(self, value)
+
+    made = property(
+        read, write, doc=f"`{name}`, fake-quantized inside forwards: NOTE [quantized reads]"
+    )
+    _OWN_READS.add(id(made))
+    return made
 
 
 class _QAT:
@@ -116,10 +157,29 @@ class _QAT:
         """Dims one step is shared over: all but the output channel (dim 0)."""
         return tuple(range(1, w.dim()))
 
-    def quantized(self, name: str) -> Tensor:
-        """Parameter `name` fake-quantized per output channel (read from the parameter itself)."""
-        raw: Tensor = self._parameters[name]  # type: ignore[attr-defined]
+    def raw(self, name: str) -> Tensor | None:
+        """Parameter `name`, or the weight its parametrization composes (NOTE [parametrized
+        layers]); AttributeError while it is not registered yet (hasattr in register_parameter)."""
+        params: dict[str, Tensor | None] = self._parameters  # type: ignore[attr-defined]
+        if name in params:
+            return params[name]
+        prop = _composed(self, name)  # type: ignore[arg-type]
+        if prop is None or prop.fget is None:
+            raise AttributeError(name)
+        value: Tensor = prop.fget(self)
+        return value
+
+    def fake_quantized(self, raw: Tensor) -> Tensor:
+        """`raw` fake-quantized per output channel."""
         return _absmax_fake_quant(raw, self._steps_over(raw), self.qmax)
+
+    def quantized(self, name: str) -> Tensor:
+        """Weight `name` fake-quantized per output channel (read from the parameter itself, or
+        composed by its parametrization)."""
+        raw = self.raw(name)
+        if raw is None:
+            raise AttributeError(f"{type(self).__name__} has no {name!r} to quantize")
+        return self.fake_quantized(raw)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()  # type: ignore[misc]
@@ -246,7 +306,12 @@ class _QuantConv1DBase(_Made):
 
 
 class _QuantLinearSub(_Made, QuantLinear):
-    """A subclass of nn.Linear that keeps its forward (MultiheadAttention's out_proj)."""
+    """A subclass of nn.Linear that keeps its forward (MultiheadAttention's out_proj, torch's
+    ParametrizedLinear)."""
+
+
+class _QuantConvSub(_Made, _QuantConv):
+    """A subclass of nn.Conv1d/2d/3d that keeps its forward (torch's ParametrizedConv2d)."""
 
 
 class _QuantAttention(_Made):
@@ -262,6 +327,7 @@ class _QuantAttention(_Made):
 _MIXINS: dict[str, type[_Made]] = {
     "conv1d": _QuantConv1DBase,
     "linear": _QuantLinearSub,
+    "conv": _QuantConvSub,
     "attention": _QuantAttention,
 }
 _MADE: dict[tuple[str, type[nn.Module]], type[nn.Module]] = {}

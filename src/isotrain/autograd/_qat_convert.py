@@ -28,6 +28,7 @@ from isotrain.autograd._qat import (
     _Made,
     install_reads,
     made_class,
+    stored_tensors,
 )
 from isotrain.autograd._ste import Gradient
 
@@ -46,8 +47,15 @@ _PLAIN = {q: p for p, q in (*_LINEAR.items(), *_CONV.items())}
 _CHOSEN = ("excluded by", "leaves it out", "an embedding")
 
 
+def _stored_weight(m: nn.Module) -> Tensor | None:
+    """`m`'s weight as stored, never composed (composing runs a parametrization's side
+    effects): the Parameter, or a one-tensor parametrization's original."""
+    stored = stored_tensors(m, "weight")
+    return stored[0] if len(stored) == 1 else None
+
+
 def _is_hf_conv1d(m: nn.Module, cls: type[nn.Module]) -> bool:
-    w = getattr(m, "weight", None)
+    w = _stored_weight(m)
     return (
         cls.__name__ == "Conv1D"
         and isinstance(w, Tensor)
@@ -57,11 +65,14 @@ def _is_hf_conv1d(m: nn.Module, cls: type[nn.Module]) -> bool:
 
 
 def _quant_params(m: nn.Module) -> tuple[str, ...]:
-    """The parameters a converted `m` quantizes."""
+    """The weights a converted `m` quantizes."""
     if isinstance(m, nn.MultiheadAttention):
         names = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-        return tuple(n for n in names if m._parameters.get(n) is not None)
+        return tuple(n for n in names if stored_tensors(m, n))
     return ("weight",)
+
+
+_CONV_FORWARDS = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
 
 
 def _classify(m: nn.Module) -> tuple[str, type[nn.Module] | None, type[nn.Module] | None, str]:
@@ -88,6 +99,8 @@ def _classify(m: nn.Module) -> tuple[str, type[nn.Module] | None, type[nn.Module
     if issubclass(plain, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
         return "conv", None, None, "a transposed convolution: not supported"
     if issubclass(plain, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        if plain.forward in _CONV_FORWARDS:  # torch's ParametrizedConv2d, for one
+            return "conv", plain, made_class("conv", plain), ""
         return (
             "conv",
             None,
@@ -96,7 +109,7 @@ def _classify(m: nn.Module) -> tuple[str, type[nn.Module] | None, type[nn.Module
         )
     if issubclass(plain, (nn.Embedding, nn.EmbeddingBag)):
         return "other", None, None, "an embedding (a lookup, not a product): kept in full precision"
-    weight = m._parameters.get("weight")
+    weight = _stored_weight(m)
     if isinstance(weight, Tensor) and weight.dim() >= 2:
         return "other", None, None, f"{cls.__name__}: no quantized twin for this layer"
     return "", None, None, ""
@@ -120,6 +133,10 @@ class QuantReport:
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.converted)} layer(s), left {len(self.skipped)}"]
+        if self.converted:
+            more = len(self.converted) - 8
+            lines.append(f"  converted {', '.join(self.converted[:8])}")
+            lines[-1] += f" ... (+{more} more)" if more > 0 else ""
         lines += [f"  kept {name} ({kind}): {why}" for name, kind, why in self.skipped]
         return "\n".join(lines)
 
@@ -137,6 +154,11 @@ def _param_reason(module: nn.Module, p: Tensor) -> str:
     )
 
 
+def _unwrapped_name(name: str) -> str:
+    """`name` without torch.compile's `_orig_mod` level: the model's own names, for `exclude`."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
 def _uncovered(model: nn.Module, covered: set[int]) -> list[tuple[str, str, str]]:
     """Kept entries for the float parameters (ndim >= 2) no layer entry accounts for."""
     out = []
@@ -145,7 +167,7 @@ def _uncovered(model: nn.Module, covered: set[int]) -> list[tuple[str, str, str]
             if p is None or id(p) in covered or not p.is_floating_point() or p.dim() < 2:
                 continue
             covered.add(id(p))  # a tied parameter is reported once
-            full = f"{name}.{pname}" if name else pname
+            full = _unwrapped_name(f"{name}.{pname}" if name else pname)
             out.append((full, type(module).__name__, _param_reason(module, p)))
     return out
 
@@ -156,11 +178,12 @@ def _convert(
     converted: list[str] = []
     skipped: list[tuple[str, str, str]] = []
     covered: set[int] = set()
-    for name, module in model.named_modules():  # shared modules are visited once
+    for wrapped, module in model.named_modules():  # shared modules are visited once
+        name = _unwrapped_name(wrapped)
         kind, plain, quant, why = _classify(module)
         if not kind:
             continue
-        covered |= {id(module._parameters.get(n)) for n in _quant_params(module)}
+        covered |= {id(t) for n in _quant_params(module) for t in stored_tensors(module, n)}
         label = type(module).__name__ if plain is None else plain.__name__
         hit = next((p for p in exclude if fnmatch.fnmatchcase(name, p)), None)
         if quant is None or plain is None:

@@ -1,9 +1,9 @@
 """How a block is checkpointed in place: its forward, its buffers, and the model's KV cache.
 
 `_Checkpointed` is the instance forward of a wrapped block (NOTE [instance forwards] in
-`isotrain._shared`: class, keys and pickling unchanged). Two things the recomputation in
-backward must not do again: update buffers (NOTE [buffers in recompute]) and build a KV cache
-(NOTE [caches in recompute]).
+`isotrain._shared`: class, keys and pickling unchanged). The recomputation in backward
+must start from the buffers its forward started from and leave the block's own buffers alone
+(NOTE [buffers in recompute]), and must not build a KV cache again (NOTE [caches in recompute]).
 """
 
 from __future__ import annotations
@@ -32,16 +32,22 @@ __all__ = ["disable_caches", "is_checkpointed", "unwrap", "wrap"]
 
 # NOTE [buffers in recompute]
 # Backward re-runs a checkpointed block's forward. Parameters are read-only there, but buffers
-# are not: BatchNorm would update its running statistics a second time (torch.utils.checkpoint
-# documents this as a caveat; fairscale's patch_batchnorm turns tracking off in one of the two
-# passes, which only works with reentrant checkpoint: the non-reentrant one checks that both
-# passes save as many tensors). Here the recomputation runs with each buffer the forward wrote
-# swapped for a scratch copy, restored in `finally`: it computes and saves exactly what the
-# forward did, and the module's own tensors are never touched again, so every buffer ends bit
-# for bit as without checkpointing. "Wrote" is: any buffer of a module that tracks running
-# statistics (BatchNorm kernels update them without bumping the tensor version), plus any
-# buffer whose version changed during the forward (a counter, an EMA). Under torch.compile the
-# traced graph applies buffer mutations once by itself, so the plain checkpoint runs there.
+# are not, and a forward may read what it writes: BatchNorm updates its running statistics
+# (torch.utils.checkpoint documents a second update as a caveat), spectral_norm advances its
+# power-iteration vectors and builds the weight from them, a counter or an EMA moves. So every
+# buffer of the block is copied just before its forward runs (outside the checkpointed region);
+# after the forward, the copies of the buffers it wrote are kept and the others dropped. The
+# recomputation runs with each written buffer swapped for a fresh copy of its pre-forward value,
+# restored in `finally`: it starts from the state the forward started from, computes and saves
+# exactly what the forward did, and the module's own tensors are never touched again, so
+# outputs, gradients and every buffer end bit for bit as without checkpointing. "Wrote" is: any
+# buffer of a module that tracks running statistics (BatchNorm kernels update them without
+# bumping the tensor version), any buffer whose version changed, any buffer replaced by another
+# tensor. Cost: one copy of the block's buffers per training forward (modern transformer blocks
+# hold none; BatchNorm statistics are a few KB). Under torch.compile a region that writes
+# buffers only as BatchNorm does traces whole (the graph applies its mutations once); one that
+# writes them in Python is a graph break, and dynamo runs this same checkpoint eagerly, which
+# then copies the buffers at the start of its first (forward) call.
 #
 # NOTE [caches in recompute]
 # A model that builds a KV cache in forward (HF Transformers, `use_cache=True`, the default of
@@ -59,36 +65,65 @@ def _tracks_stats(owner: nn.Module) -> bool:
 
 
 class _Replay:
-    """One checkpointed call: the first run is the forward, later runs are recomputations."""
+    """One checkpointed call: the first run is the forward, later runs are recomputations.
+
+    `snapshot()` keeps every buffer of the block as the forward finds it; the recomputations
+    start from those copies and write to them: NOTE [buffers in recompute].
+    """
 
     def __init__(self, wrapper: _Checkpointed, kwargs: dict[str, Any]) -> None:
         self.wrapper, self.kwargs = wrapper, kwargs
+        self.slots: list[tuple[nn.Module, str]] | None = None
+        self.tensors: list[torch.Tensor] = []
+        self.versions: list[int] = []
+        self.before: list[torch.Tensor] = []
         self.written: list[tuple[nn.Module, str]] | None = None
-        self.scratch: list[torch.Tensor] = []
+
+    def snapshot(self) -> None:
+        """Copy every buffer of the block now, before its forward writes any."""
+        self.slots = buffer_slots([self.wrapper.module])
+        self.tensors = [getattr(o, n) for o, n in self.slots]
+        self.versions = [tensor_version(t) for t in self.tensors]
+        with torch.no_grad():
+            self.before = [t.clone() for t in self.tensors]
+
+    def _settle(self) -> None:
+        """After the forward: keep the copies of the buffers it wrote, drop the others."""
+        slots = self.slots or []
+        kept = [
+            ((o, n), copy)
+            for (o, n), t, v, copy in zip(slots, self.tensors, self.versions, self.before)
+            if _tracks_stats(o) or getattr(o, n) is not t or tensor_version(t) != v
+        ]
+        self.written, self.before = [s for s, _ in kept], [c for _, c in kept]
+        self.tensors, self.versions = [], []
 
     def __call__(self, *args: Any) -> Any:
         w = self.wrapper
-        if self.written is None:  # the forward
-            slots = buffer_slots([w.module])
-            versions = [tensor_version(getattr(o, n)) for o, n in slots]
-            out = w.call_inner(*args, **self.kwargs)
-            self.written = [
-                (o, n)
-                for (o, n), v in zip(slots, versions)
-                if _tracks_stats(o) or tensor_version(getattr(o, n)) != v
-            ]
-            # Copied now, not in the recompute: selective checkpointing replays the recompute
-            # against the ops the forward ran, and would refuse a clone it never saw.
-            self.scratch = [getattr(o, n).clone() for o, n in self.written]
-            return out
-        # NOTE [buffers in recompute]: writes go to scratch copies
-        originals = [getattr(o, n) for o, n in self.written]
-        try:
-            for (o, n), t in zip(self.written, self.scratch):
-                setattr(o, n, t)
+        if torch.compiler.is_compiling():  # traced into the graph: NOTE [buffers in recompute]
             return w.call_inner(*args, **self.kwargs)
+        if self.written is None:  # the forward
+            if self.slots is None:  # dynamo gave this call back to eager at a graph break
+                self.snapshot()
+            try:
+                return w.call_inner(*args, **self.kwargs)
+            finally:
+                self._settle()
+        return self._recompute(args)
+
+    def _recompute(self, args: tuple[Any, ...]) -> Any:
+        """Backward's rerun, from the buffers the forward started from, writing to copies."""
+        written = self.written or []
+        originals = [getattr(o, n) for o, n in written]
+        # Selective checkpointing counts every op of the rerun against the forward's and
+        # refuses one more clone (torch allows it one backward anyway): use the copies as they are.
+        scratch = self.before if self.wrapper.selective else [t.clone() for t in self.before]
+        try:
+            for (o, n), t in zip(written, scratch):
+                setattr(o, n, t)
+            return self.wrapper.call_inner(*args, **self.kwargs)
         finally:
-            for (o, n), t in zip(self.written, originals):
+            for (o, n), t in zip(written, originals):
                 setattr(o, n, t)
 
 
@@ -106,9 +141,10 @@ class _Checkpointed(ForwardWrapper):
             kwargs["use_cache"] = False
             self.warned = self.warned or _warn_cache(type(self.module).__name__)
         ctx: dict[str, Any] = {"context_fn": SELECTIVE} if self.selective else {}
-        if torch.compiler.is_compiling():
-            return checkpoint(self.call_inner, *args, use_reentrant=False, **ctx, **kwargs)
-        return checkpoint(_Replay(self, kwargs), *args, use_reentrant=False, **ctx)
+        replay = _Replay(self, kwargs)
+        if not torch.compiler.is_compiling():
+            replay.snapshot()  # before the forward, outside the checkpointed region
+        return checkpoint(replay, *args, use_reentrant=False, **ctx)
 
 
 def _warn_cache(where: str) -> bool:

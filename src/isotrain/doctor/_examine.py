@@ -250,25 +250,31 @@ def examine(
         samples_interact=samples_interact, loss_falls=loss_falls,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
-    found: list[Finding] = []
-    link = Ranks(timeout=rank_timeout) if distributed() else None
     try:
-        found = _run_all(ctx, families, kinds, link)
+        found = _run_all(ctx, families, kinds, rank_timeout)
     finally:
         ctx.reset()
-        if link is not None:
-            link.close()
     examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)
     return Diagnosis(found, examined, time.perf_counter() - started)
 
 
 def _run_all(
+    ctx: Context, families: list[Check], kinds: set[str], rank_timeout: float
+) -> list[Finding]:
+    """Every family in order; under a process group over the doctor's link, with the user's
+    collectives checked, the ranks meeting after each family, every rank's findings merged."""
+    link = ctx.ranks = Ranks(timeout=rank_timeout) if distributed() else None
+    try:
+        return _families(ctx, families, kinds, link)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _families(
     ctx: Context, families: list[Check], kinds: set[str], link: Ranks | None
 ) -> list[Finding]:
-    """Every family in order; under a process group with the user's collectives checked, the
-    ranks meeting after each family, and one merged list of every rank's findings."""
     found: list[Finding] = []
-    ctx.ranks = link
     checked = checking_collectives(link) if link is not None else contextlib.nullcontext()
     try:
         with checked as calls:

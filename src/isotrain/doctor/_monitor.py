@@ -87,6 +87,11 @@ class Monitor:
     ) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be a positive number of steps, got {every!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"Monitor needs a torch.optim.Optimizer (it hooks its step), got "
+                f"{type(optimizer).__name__}; pass the one inside the wrapper (e.g. .optimizer)"
+            )
         base = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
         named = list(base.named_parameters()) if isinstance(base, nn.Module) else []

@@ -9,12 +9,13 @@ inside it: NOTE [wrapped optimizers].
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["found_inf_on", "optimizer_chain", "optimizer_params"]
+__all__ = ["found_inf_on", "named_trainable", "optimizer_chain", "optimizer_params"]
 
 # NOTE [wrapped optimizers]
 # A wrapper's `step` calls the real optimizer's `step` sooner or later, but an attribute set
@@ -35,6 +36,21 @@ __all__ = ["found_inf_on", "optimizer_chain", "optimizer_params"]
 def optimizer_params(optimizer: Any) -> list[torch.Tensor]:
     """Every parameter in `optimizer.param_groups`, in group order."""
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def named_trainable(
+    model: nn.Module | Iterable[torch.Tensor] | None, optimizer: torch.optim.Optimizer
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Names and parameters the guard watches: the model's trainable ones, else the optimizer's."""
+    named: list[tuple[str, torch.Tensor]]
+    if isinstance(model, nn.Module):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    else:
+        params = list(model) if model is not None else optimizer_params(optimizer)
+        named = [(f"param{i}", p) for i, p in enumerate(params)]
+    if not named:
+        raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
+    return [n for n, _ in named], [p for _, p in named]
 
 
 def _held_optimizers(obj: Any) -> list[torch.optim.Optimizer]:

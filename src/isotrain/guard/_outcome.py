@@ -16,7 +16,7 @@ import torch
 
 from isotrain.guard._spikes import HostSpikeDetector
 
-__all__ = ["SkipReason", "StepOutcome"]
+__all__ = ["SkipReason", "StepOutcome", "count_table"]
 
 
 class SkipReason(enum.IntEnum):
@@ -128,3 +128,20 @@ def _clip_is_one(max_norm: float, norm: torch.Tensor, norm_f: float) -> bool:
     """
     wide = norm.dtype in (torch.float32, torch.float64)
     return wide and norm_f + 1e-6 <= max_norm * (1 - 1e-5)
+
+
+def count_table() -> torch.Tensor:
+    """(reasons, 2, counters) int64: row r holds the multiplier and the increment for reason r.
+
+    Counters are [applied, *by_reason, consecutive]; consecutive is reset by a 0 multiplier
+    (ints: no NaN * 0 issue), so one update is `counts * mul + inc`.
+    """
+    n = len(SkipReason)
+    table = torch.zeros(n, 2, n + 2, dtype=torch.int64)
+    table[:, 0] = 1
+    for r in range(n):
+        table[r, 0, -1] = int(r != SkipReason.OK)  # consecutive: reset when applied
+        table[r, 1, 0] = int(r == SkipReason.OK)  # applied
+        table[r, 1, 1 + r] = 1  # by_reason
+        table[r, 1, -1] = int(r != SkipReason.OK)  # consecutive: +1 when skipped
+    return table

@@ -28,7 +28,8 @@ from isotrain._torch_private import (
     supports_found_inf,
 )
 from isotrain.guard._buffers import BufferGuard
-from isotrain.guard._optim import optimizer_chain, optimizer_params
+from isotrain.guard._closure import closure_step, needs_closure
+from isotrain.guard._optim import named_trainable, optimizer_chain
 from isotrain.guard._outcome import (
     _FLAG_CODES,
     HostOutcome,
@@ -37,26 +38,13 @@ from isotrain.guard._outcome import (
     _clip_is_one,
     _host_reason,
     _round_f32,
+    count_table,
 )
+from isotrain.guard._record import GuardRecord
 from isotrain.guard._select import SelectiveStep
 from isotrain.guard._spikes import HostSpikeDetector, SpikeDetector
 
 __all__ = ["SkipReason", "StepGuard", "StepOutcome"]
-
-
-def _named_trainable(
-    model: nn.Module | Iterable[torch.Tensor] | None, optimizer: torch.optim.Optimizer
-) -> tuple[list[str], list[torch.Tensor]]:
-    """Names and parameters the guard watches: the model's trainable ones, else the optimizer's."""
-    named: list[tuple[str, torch.Tensor]]
-    if isinstance(model, nn.Module):
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    else:
-        params = list(model) if model is not None else optimizer_params(optimizer)
-        named = [(f"param{i}", p) for i, p in enumerate(params)]
-    if not named:
-        raise ValueError("StepGuard found no parameters: pass the model or a non-empty list")
-    return [n for n, _ in named], [p for _, p in named]
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -84,7 +72,7 @@ _NOT_SCALAR = "guard.step(loss) needs the scalar (mean) loss, got shape {}"
 # effective LR (the OLMo-core#309 bug: a skip that forgot `step` gave 2.2x LR).
 
 
-class StepGuard:
+class StepGuard(GuardRecord):
     """Sync-free guarded optimizer step: unscale, clip, decide on device, apply or skip, count.
 
     `optimizer` may be wrapped (Lightning Fabric, HF Accelerate, your own forwarding class): the
@@ -92,7 +80,9 @@ class StepGuard:
     A skipped step also leaves the model's buffers (BatchNorm statistics) as they were before
     its forward: by default when `model` has floating-point buffers its forwards write, always
     with `protect_buffers=True`, never with False (NOTE [protected buffers], NOTE [protect by
-    default]; `close()` removes the hook this installs).
+    default]; `close()` removes the hook this installs). `set_to_none` is how the guard zeroes
+    the gradients, as your loop would (NOTE [the user's zero_grad]). A closure optimizer
+    (LBFGS) steps with `step_with_closure` (NOTE [closure steps]).
 
     Example::
 
@@ -104,6 +94,8 @@ class StepGuard:
             if step % 100 == 0:
                 log.info("%s", guard.summary())  # the only sync
     """
+
+    _zero: dict[str, bool]  # zero_grad's keyword arguments: NOTE [the user's zero_grad]
 
     def __init__(
         self,
@@ -118,6 +110,7 @@ class StepGuard:
         process_group: Any = None,
         skip_mode: str = "auto",
         protect_buffers: bool | None = None,
+        set_to_none: bool | None = None,
     ) -> None:
         if not all(callable(getattr(optimizer, a, None)) for a in ("step", "zero_grad")):
             raise TypeError(
@@ -127,13 +120,15 @@ class StepGuard:
         if max_norm is not None and not max_norm > 0:
             raise ValueError(f"max_norm must be > 0 (or None for no clipping), got {max_norm}")
         self.optimizer, self.max_norm, self.process_group = optimizer, max_norm, process_group
+        self.set_to_none = set_to_none  # NOTE [the user's zero_grad]
         # NOTE [wrapped optimizers]: step the object given, decide on the torch optimizer inside
         self.chain = optimizer_chain(optimizer)
         self.inner = self.chain[-1]
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self.names, self.params = _named_trainable(model, self.inner)
+        self.names, self.params = named_trainable(model, self.inner)
         dev = self.device = self.params[0].device
         self._warned: set[str] = set()
+        self.needs_closure = needs_closure(self.inner)
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
         self.buffers = self._buffer_guard(model, protect_buffers)
@@ -172,7 +167,7 @@ class StepGuard:
         if not self.host:
             self._counts = torch.zeros(len(SkipReason) + 2, dtype=torch.int64, device=dev)
             self._last = torch.zeros(4, dtype=torch.float32, device=dev)
-            self._count_table = self._make_count_table().to(dev)
+            self._count_table = count_table().to(dev)
 
     def _buffer_guard(self, model: Any, protect: bool | None) -> BufferGuard | None:
         if protect is False or (protect is None and not isinstance(model, nn.Module)):
@@ -191,6 +186,12 @@ class StepGuard:
     # -- the step -------------------------------------------------------------------------
     def step(self, loss: torch.Tensor | float) -> StepOutcome:
         """Unscale, clip, decide, apply or skip the update, update the scaler, count, zero grads."""
+        if self.needs_closure:
+            raise TypeError(
+                f"StepGuard: {type(self.inner).__name__}.step() evaluates a closure (several "
+                "times a step), so guard.step(loss) cannot run it: call "
+                "guard.step_with_closure(closure), or GuardedOptimizer(...).step(closure)"
+            )
         grad_mode = torch.is_grad_enabled()
         set_grad_mode(False)  # torch.no_grad(), without its per-call objects
         try:
@@ -199,6 +200,48 @@ class StepGuard:
             set_grad_mode(grad_mode)
         self.steps += 1
         return outcome
+
+    def step_with_closure(self, closure: Callable[[], Any]) -> tuple[Any, StepOutcome]:
+        """The guarded step of an optimizer that needs a closure (LBFGS): each evaluation
+        checked, a skip undone (NOTE [closure steps]). Returns the step's result and outcome."""
+        grad_mode = torch.is_grad_enabled()
+        set_grad_mode(False)
+        try:
+            result = closure_step(self, closure)
+        finally:
+            set_grad_mode(grad_mode)
+        self.steps += 1
+        return result
+
+    # NOTE [the user's zero_grad]
+    # The guard zeroes the gradients after each step (a skipped step's must not reach the next
+    # one). How matters: a parameter that gets no gradient in a step keeps a zero tensor after
+    # zero_grad(set_to_none=False), and SGD's momentum and weight decay, Adam's moments, keep
+    # moving it; after set_to_none=True its grad is None and torch.optim leaves it alone. So the
+    # guard zeroes as the loop would: `set_to_none` if given, else the optimizer's own default
+    # (`zero_grad()` with no argument: True for torch.optim); GuardedOptimizer.zero_grad(...)
+    # sets it from each call the loop or its framework makes.
+    @property
+    def set_to_none(self) -> bool | None:
+        """How the guard zeroes the gradients (None: the optimizer's default)."""
+        return self._zero.get("set_to_none")
+
+    @set_to_none.setter
+    def set_to_none(self, value: bool | None) -> None:
+        self._zero = {} if value is None else {"set_to_none": bool(value)}
+
+    def zero_grad(self) -> None:
+        """Zero the gradients as the training loop would: NOTE [the user's zero_grad]."""
+        self.optimizer.zero_grad(**self._zero)
+
+    def _count_host(self, reason: int, norm: float, loss: float, scale: float) -> None:
+        """Count a step decided on the host (host mode, closure steps)."""
+        c = self._counts
+        ok = reason == 0
+        c[0] += ok
+        c[reason + 1] += 1
+        c[-1] = 0 if ok else c[-1] + 1
+        self._last = [float(reason), norm, loss, scale]
 
     def _device_step(self, loss: torch.Tensor | float) -> StepOutcome:
         with self.sync_check():
@@ -215,7 +258,7 @@ class StepGuard:
             if self.scaler is not None and scaler_pending(self.scaler):
                 self.scaler.update()  # unless a wrapper's step already did (Accelerate fp16)
             self._count(reason, [norm_g, loss32, scale])
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(**self._zero)
         return StepOutcome(ok, reason, norm_g, loss32, scale)
 
     def _host_step(self, loss: torch.Tensor | float) -> StepOutcome:
@@ -251,12 +294,12 @@ class StepGuard:
         if self.scaler is not None and scaler_pending(self.scaler):
             self.scaler.update()
         sf = scale.item() if self.scaler is not None else 1.0  # sync: host mode
-        c = self._counts
+        c = self._counts  # _count_host, inlined: each Python call here is one per step
         c[0] += ok
         c[reason + 1] += 1
         c[-1] = 0 if ok else c[-1] + 1
         self._last = [float(reason), nf, lf, sf]
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(**self._zero)  # zero_grad(), inlined
         applied_t, reason_t = self._consts
         if loss32 is None:
             return HostOutcome(applied_t[reason], reason_t[reason], norm_g, lf, scale, self.device)
@@ -279,6 +322,14 @@ class StepGuard:
             raise ValueError(
                 f"unknown skip_mode {mode!r}: use 'auto', 'select', 'host' or 'found_inf'"
             )
+        if self.needs_closure:  # NOTE [closure steps]: decided on the host
+            if mode not in ("auto", "host") or self.scaler is not None:
+                raise ValueError(
+                    f"{type(inner).__name__}.step() evaluates a closure and reads its loss on "
+                    "the host, so StepGuard decides there too: use skip_mode='auto' or 'host' "
+                    "and no GradScaler (torch's GradScaler refuses closures as well)"
+                )
+            return "host"
         if not isinstance(inner, torch.optim.Optimizer):  # its state is out of our sight
             if mode != "host" and not (mode == "auto" and device.type == "cpu"):
                 self._warn_once(
@@ -392,23 +443,6 @@ class StepGuard:
         dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.process_group)
         return vec / world
 
-    @staticmethod
-    def _make_count_table() -> torch.Tensor:
-        """(reasons, 2, counters) int64: row r holds the multiplier and the increment for reason r.
-
-        Counters are [applied, *by_reason, consecutive]; consecutive is reset by a 0 multiplier
-        (ints: no NaN * 0 issue), so one update is `counts * mul + inc`.
-        """
-        n = len(SkipReason)
-        table = torch.zeros(n, 2, n + 2, dtype=torch.int64)
-        table[:, 0] = 1
-        for r in range(n):
-            table[r, 0, -1] = int(r != SkipReason.OK)  # consecutive: reset when applied
-            table[r, 1, 0] = int(r == SkipReason.OK)  # applied
-            table[r, 1, 1 + r] = 1  # by_reason
-            table[r, 1, -1] = int(r != SkipReason.OK)  # consecutive: +1 when skipped
-        return table
-
     def _count(self, reason: torch.Tensor, values: list[torch.Tensor]) -> None:
         mul, inc = self._count_table.index_select(0, reason.view(1))[0]  # (2, counters)
         torch.addcmul(inc, self._counts, mul, out=self._counts)
@@ -423,75 +457,3 @@ class StepGuard:
         """Remove the forward pre-hook `protect_buffers=True` installed on the model."""
         if self.buffers is not None:
             self.buffers.close()
-
-    # -- reading and state ----------------------------------------------------------------
-    @property
-    def consecutive_skips(self) -> torch.Tensor:
-        """int64 count of skipped steps since the last applied one (on the guard's device)."""
-        c = self._counts
-        return torch.tensor(c[-1], device=self.device) if self.host else c[-1].clone()
-
-    def note_rollback(self) -> None:
-        """Reset the consecutive-skip count after the caller restored a last-good state."""
-        if self.host:
-            self._counts[-1] = 0
-        else:
-            self._counts[-1].zero_()
-
-    def _host_values(self) -> tuple[list[int], list[float]]:
-        if self.host:
-            return list(self._counts), list(self._last)
-        vals = torch.cat([self._counts.double(), self._last.double()]).tolist()  # sync: log step
-        n = len(self._counts)
-        return [int(v) for v in vals[:n]], vals[n:]
-
-    def summary(self) -> dict[str, Any]:
-        """Counters for a log line: steps, applied, skipped (total and by reason), last values."""
-        (applied, *by_reason, consecutive), (reason, norm, loss, scale) = self._host_values()
-        return {
-            "steps": self.steps, "applied": applied, "skipped": self.steps - applied,
-            "skipped_by_reason": {r.name: by_reason[r] for r in SkipReason if r},
-            "consecutive_skips": consecutive, "last_reason": SkipReason(int(reason)).name,
-            "last_grad_norm": norm, "last_loss": loss, "loss_scale": scale,
-        }  # fmt: skip
-
-    def nonfinite_grad_names(self) -> list[str]:
-        """Names of the params whose gradient was non-finite at the last step (syncs once)."""
-        if self._grad_per is None:
-            return []
-        finite = self._grad_per.isfinite().tolist()  # sync: called after a skip, at a log step
-        present, order = self._grad_order
-        return [self.names[present[j]] for j, f in zip(order, finite) if not f]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Counters and spike window as plain tensors/ints (loadable with weights_only=True).
-
-        The same format in every skip mode: a snapshot from one loads into a guard in another.
-        """
-        counts, last = self._counts, self._last
-        if self.host:
-            counts = torch.tensor(counts, dtype=torch.int64, device=self.device)
-            last = torch.tensor(last, dtype=torch.float32, device=self.device)
-        n = len(SkipReason)
-        return {
-            "version": 1, "steps": self.steps, "applied": counts[0].clone(),
-            "by_reason": counts[1 : 1 + n].clone(), "consecutive": counts[-1].clone(),
-            "last": last.clone(), "spikes": self.spikes.state_dict() if self.spikes else None,
-        }  # fmt: skip
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counters and spike window so a resumed run continues the same window."""
-        if state.get("version") != 1:
-            raise ValueError(
-                f"unknown StepGuard state version {state.get('version')!r}; expected 1"
-            )
-        self.steps = int(state["steps"])
-        parts = [state["applied"].view(1), state["by_reason"], state["consecutive"].view(1)]
-        counts = torch.cat([c.to(torch.int64).cpu() for c in parts])
-        if self.host:
-            self._counts, self._last = counts.tolist(), state["last"].float().tolist()
-        else:
-            self._counts.copy_(counts)
-            self._last.copy_(state["last"])
-        if self.spikes is not None and state["spikes"] is not None:
-            self.spikes.load_state_dict(state["spikes"])

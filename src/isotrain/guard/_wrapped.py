@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from isotrain.guard._optim import named_trainable
 from isotrain.guard._outcome import StepOutcome
-from isotrain.guard._step import StepGuard, _named_trainable
+from isotrain.guard._step import StepGuard
 
 __all__ = ["GuardedOptimizer"]
 
@@ -100,7 +101,20 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     @torch.optim.Optimizer.profile_hook_step
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Run ``closure`` (under grad) if given, then the guarded step; returns its result."""
+        """Run ``closure`` (under grad) if given, then the guarded step; returns its result.
+
+        An optimizer that needs a closure (LBFGS) runs it as often as it likes, each
+        evaluation checked, and a skip puts parameters and state back: NOTE [closure steps].
+        """
+        if self.guard.needs_closure:
+            if closure is None:
+                raise TypeError(
+                    f"GuardedOptimizer: {type(self.guard.inner).__name__}.step() needs a closure"
+                    " that zeroes the grads, computes the loss, calls backward and returns it"
+                )
+            self._loss = None
+            result, self.last_outcome = self.guard.step_with_closure(closure)
+            return result
         result = None
         if closure is not None:
             with torch.enable_grad():
@@ -126,14 +140,16 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return _SkipAwareScheduler(scheduler, self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``."""
+        """The wrapped optimizer's ``zero_grad``; the guard zeroes the same way after its steps
+        (NOTE [the user's zero_grad])."""
+        self.guard.set_to_none = set_to_none
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add the group to the wrapped optimizer; the guard then checks and clips it too."""
         self.optimizer.add_param_group(param_group)
         guard = self.guard
-        guard.names, guard.params = _named_trainable(
+        guard.names, guard.params = named_trainable(
             self._model if isinstance(self._model, nn.Module) else None, guard.inner
         )
 

@@ -20,6 +20,7 @@ from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
+from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
 
 try:
     import lightning.pytorch as pl
@@ -38,6 +39,14 @@ __all__ = ["GuardCallback"]
 # every Lightning checkpoint. The validation loop's `run` is wrapped in eval_mode + rng_isolated
 # (the whole run: its DataLoader iterator draws a seed from the global RNG before any hook).
 # `teardown` undoes the clip take-over and the validation wrapper.
+
+
+# NOTE [skips reach the loggers]
+# Lightning sends step metrics to its loggers only at its log steps (`log_every_n_steps`);
+# what `log()` got at the steps between is overwritten before it is sent. So the reasons of
+# the skips since the last logged step are kept and logged at the next one (as GuardedTrainer
+# does for HF's logging_steps), and `log()` is called only there: it is costly per call. Skips
+# after the last logged step of a fit are written to the loggers at `on_train_end`.
 
 
 # NOTE [the guard owns the scaler]
@@ -83,10 +92,13 @@ class GuardCallback(pl.Callback):
 
     ``max_norm`` clips by total norm (``None``: ``Trainer(gradient_clip_val=...)`` if set by
     norm, else no clipping); ``guard_options`` go to ``StepGuard`` (``spike_k``, ...).
-    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (this step's ``SkipReason``
-    code) at Lightning's log steps and at every skipped step. ``monitor_every=N`` adds an
-    ``isotrain.doctor.Monitor`` of the first optimizer, checked every N optimizer steps
-    (``callback.monitor``; its findings are logged; under DDP the replicas are compared).
+    Logs ``skipped_steps`` (skips so far) and ``skip_reason`` (the highest ``SkipReason`` code
+    among the skips since the last logged step, 0 for none) at Lightning's log steps.
+    ``checkpointing`` (a policy such as ``"full"``) and ``compile_blocks`` (True, or
+    compile_model's keywords) are applied to the module at fit start: NOTE [patterns in
+    trainers]. ``monitor_every=N`` adds an ``isotrain.doctor.Monitor`` of the first optimizer,
+    checked every N optimizer steps (``callback.monitor``; its findings are logged; under DDP
+    the replicas are compared).
 
     Example::
 
@@ -100,9 +112,12 @@ class GuardCallback(pl.Callback):
         *,
         max_norm: float | None = None,
         isolate_eval: bool = True,
+        checkpointing: CheckpointingOption = None,
+        compile_blocks: CompileOption = False,
         monitor_every: int = 0,
         **guard_options: Any,
     ) -> None:
+        self._patterns = Patterns(checkpointing, compile_blocks, "GuardCallback")
         if (
             not isinstance(monitor_every, int)
             or isinstance(monitor_every, bool)
@@ -119,14 +134,17 @@ class GuardCallback(pl.Callback):
         self.max_norm, self.isolate_eval, self.guard_options = max_norm, isolate_eval, guard_options
         self._undo: list[Callable[[], None]] = []
         self._steps = self._skipped = 0
+        self._pending: list[int] = []  # reasons of the skips not logged yet
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Wrap optimizers and schedulers, take over clipping, isolate validation."""
+        """Checkpoint and compile blocks if asked; wrap optimizers and schedulers, take over
+        clipping, isolate validation."""
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "GuardCallback guards automatic optimization; with manual optimization wrap "
                 "your optimizer in isotrain.guard.GuardedOptimizer yourself"
             )
+        self._patterns.apply(pl_module)  # NOTE [patterns in trainers]
         max_norm = self._take_clipping(trainer)
         scaler = self._take_scaler(trainer)
         options = {**self.guard_options, **({"scaler": scaler} if scaler is not None else {})}
@@ -213,7 +231,8 @@ class GuardCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        """Log the skip count and this step's reason at Lightning's log steps and on a skip."""
+        """Log the skip count and the reasons of the skips since the last logged step, at
+        Lightning's log steps (NOTE [skips reach the loggers])."""
         guards = _guards(trainer)
         steps = sum(g.guard.steps for g in guards)
         if steps == self._steps:
@@ -224,13 +243,22 @@ class GuardCallback(pl.Callback):
         # sync: one host read per step on an accelerator, the one the skip-aware LR makes
         skipped = [g for g in guards if not g.applied]
         self._skipped += len(skipped)
-        # Lightning's log() is costly per call: call it only where its logger would write
-        # (its own test for that; without one, every step) or where a skip must be seen.
+        self._pending += [int(g.last_outcome.reason) for g in skipped if g.last_outcome]
         connector = getattr(trainer, "_logger_connector", None)
-        if skipped or connector is None or connector.should_update_logs:
-            reason = max((int(g.last_outcome.reason) for g in skipped if g.last_outcome), default=0)
+        if connector is None or connector.should_update_logs or getattr(trainer, "fast_dev_run", 0):
             pl_module.log("skipped_steps", float(self._skipped), on_step=True, on_epoch=False)
-            pl_module.log("skip_reason", float(reason), on_step=True, on_epoch=False)
+            pl_module.log("skip_reason", float(max(self._pending, default=0)), on_step=True,
+                          on_epoch=False)  # fmt: skip
+            self._pending.clear()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Skips after the last logged step go to the loggers directly (log() is closed here)."""
+        if self._pending:
+            metrics = {"skipped_steps": float(self._skipped),
+                       "skip_reason": float(max(self._pending))}  # fmt: skip
+            for logger in trainer.loggers:  # at the last step's index, as Lightning counts
+                logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
+            self._pending.clear()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Give clipping back to the Trainer and unwrap the validation loop."""

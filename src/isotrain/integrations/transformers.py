@@ -18,6 +18,7 @@ from isotrain.contexts import eval_mode, rng_isolated
 from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer, SkipReason
 from isotrain.integrations._extra import missing_extra
+from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -83,9 +84,11 @@ class GuardedTrainer(Trainer):
 
     ``guard_options`` go to ``StepGuard`` (``spike_k``, ``skip_mode``, ...); ``max_norm`` is
     ``args.max_grad_norm`` (0: no clipping). Logs gain ``skipped_steps`` (skips since the last
-    log) and ``skip_reason`` (their ``SkipReason`` names, ``"OK"`` for none). Combine with your
-    own subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``. ``monitor_every=N`` adds
-    an ``isotrain.doctor.Monitor`` checked every N optimizer steps (``trainer.monitor``; its
+    log) and ``skip_reason`` (their ``SkipReason`` names, ``"OK"`` for none). ``checkpointing``
+    (a policy such as ``"full"``) and ``compile_blocks`` (True, or compile_model's keywords)
+    are applied to the model here: NOTE [patterns in trainers]. Combine with your own
+    subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``. ``monitor_every=N`` adds an
+    ``isotrain.doctor.Monitor`` checked every N optimizer steps (``trainer.monitor``; its
     findings are logged, and under torchrun the replicas are compared across ranks).
 
     Example::
@@ -100,6 +103,8 @@ class GuardedTrainer(Trainer):
         *args: Any,
         guard_options: dict[str, Any] | None = None,
         isolate_eval: bool = True,
+        checkpointing: CheckpointingOption = None,
+        compile_blocks: CompileOption = False,
         monitor_every: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -115,7 +120,10 @@ class GuardedTrainer(Trainer):
                 "GuardedTrainer takes max_norm from args.max_grad_norm and the scaler from "
                 "accelerate: leave them out of guard_options"
             )
+        patterns = Patterns(checkpointing, compile_blocks, "GuardedTrainer")
         super().__init__(*args, **kwargs)
+        if patterns:
+            self._apply_patterns(patterns)
         if self.args.fp16 and not getattr(self.accelerator, "native_amp", True):
             warnings.warn(
                 f"GuardedTrainer: fp16=True, but accelerate runs no fp16 autocast and no "
@@ -129,6 +137,24 @@ class GuardedTrainer(Trainer):
         self.monitor_every, self.monitor = _period(monitor_every), cast(Monitor | None, None)
         if monitor_every:
             self.add_callback(_Monitoring(self))
+
+    def _apply_patterns(self, patterns: Patterns) -> None:
+        """NOTE [patterns in trainers]; refuses what would apply a pattern twice or not at all."""
+        clash = [
+            f"{mine} and args.{theirs}=True both ask for it"
+            for mine, theirs, given in (
+                ("checkpointing", "gradient_checkpointing", patterns.checkpointing is not None),
+                ("compile_blocks", "torch_compile", patterns.compile is not None),
+            )
+            if given and getattr(self.args, theirs, False)
+        ]
+        if clash or self.model_init is not None or self.model is None:
+            why = "; ".join(clash) or "model_init builds a new model at each train()"
+            raise ValueError(
+                f"GuardedTrainer(checkpointing=, compile_blocks=): {why}. Use isotrain's "
+                "options or Trainer's, not both, with model= (or apply them inside model_init)"
+            )
+        patterns.apply(self.model)
 
     def _guarded(self) -> GuardedOptimizer | None:
         opt = self.optimizer

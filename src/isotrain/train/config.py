@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from isotrain.checkpointing import parse_policy
 from isotrain.train.environment import check_device, check_directory, check_extra
 from isotrain.train.fields import ConfigError, check_types, flag, flag_value, overlay
-from isotrain.train.model.gpt import GPTConfig
+from isotrain.train.model.shape import GPTConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -398,6 +397,8 @@ def _check_relations(cfg: TrainConfig) -> None:
         "list the lengths in increasing order, without repeats",
         flag_value("data.buckets", sorted(set(d.buckets))),
     )
+    from isotrain.checkpointing import parse_policy  # torch: only once the flags parsed
+
     try:
         parse_policy(cfg.checkpointing.policy)
     except ValueError as e:

@@ -15,8 +15,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from isotrain.train.fields import ConfigError
 
 __all__ = [
@@ -66,6 +64,8 @@ def memory_for(what: str, *, lower: str) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, MemoryError) as e:
+        import torch  # imported by then: the block ran torch
+
         text = str(e)
         oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
         if not oom and not any(m in text.lower() for m in _OOM):
@@ -79,6 +79,8 @@ def check_device(name: str) -> None:
     """Refuse a device this machine does not have, before anything is built."""
     if name == "auto":
         return
+    import torch  # not at the top: the CLI parses its flags before torch is imported
+
     try:
         dev = torch.device(name)
     except RuntimeError:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,17 +71,35 @@ def read_init(spec: str) -> InitSource:
     return InitSource(spec, model, tok)
 
 
-def adopt_shape(cfg: TrainConfig, src: InitSource) -> TrainConfig:
-    """`cfg` with the source's model shape (dropout stays the config's); differences warned."""
+def adopt_shape(
+    cfg: TrainConfig, src: InitSource, *, origin: Mapping[str, str] | None = None
+) -> TrainConfig:
+    """`cfg` with the source's model shape (dropout stays the config's). A shape flag the user
+    passed and the source overrides is a warning; a default or preset value is information.
+
+    `origin` (dotted setting -> `flag`, `--preset NAME`, `--config FILE`) is the CLI's record
+    of where each setting came from; without it, a value off the default counts as given.
+    """
     shape = dataclasses.replace(src.model.cfg, dropout=cfg.model.dropout)
-    names = [f.name for f in dataclasses.fields(shape)]
-    diffs = [
-        f"{flag('model.' + n)} {getattr(shape, n)!r} (config: {getattr(cfg.model, n)!r})"
-        for n in names
-        if getattr(shape, n) != getattr(cfg.model, n)
-    ]
-    if diffs:
-        log.warning("--init-from %s sets the model shape: %s", src.spec, ", ".join(diffs))
+    default = type(cfg.model)()
+    given, told = [], []
+    for name in (f.name for f in dataclasses.fields(shape)):
+        new, old, path = getattr(shape, name), getattr(cfg.model, name), f"model.{name}"
+        if new == old:
+            continue
+        source = (origin or {}).get(path, "default")
+        if origin is None and old != getattr(default, name):
+            source = "flag"  # a Python caller set it
+        if source == "flag":
+            given.append(f"{flag(path)} {new!r} ({'you passed' if origin else 'config'} {old!r})")
+        else:
+            told.append(f"{flag(path)} {new!r} ({source}: {old!r})")
+    if given:
+        log.warning(
+            "--init-from %s overrides the model shape you passed: %s", src.spec, ", ".join(given)
+        )
+    if told:
+        log.info("--init-from %s sets the model shape: %s", src.spec, ", ".join(told))
     return dataclasses.replace(cfg, model=shape)
 
 
@@ -243,13 +262,13 @@ def save_tokenizer(tok: Tokenizer, run_dir: str | Path) -> None:
 
 
 def load_inputs(
-    cfg: TrainConfig, *, is_main: bool = True
+    cfg: TrainConfig, *, is_main: bool = True, origin: Mapping[str, str] | None = None
 ) -> tuple[TrainConfig, Corpus, Tokenizer, InitSource | None]:
     """Initial weights, data and tokenizer of a run, and its config with what they settle:
-    the model shape of `--init-from` and the tokenizer's sha256."""
+    the model shape of `--init-from` (`origin`: see `adopt_shape`) and the tokenizer's sha256."""
     init = read_init(cfg.init_from) if cfg.init_from else None
     if init is not None:
-        cfg = validate(adopt_shape(cfg, init))
+        cfg = validate(adopt_shape(cfg, init, origin=origin))
     d = cfg.data
     data = open_data(
         d.path,

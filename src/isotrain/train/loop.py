@@ -59,6 +59,7 @@ from isotrain.train.weights.load import build_model
 __all__ = ["TrainingStopped", "prepare_model", "setup", "start", "train"]
 
 log = logging.getLogger(__name__)
+Origin = Mapping[str, str] | None  # dotted setting -> `--preset NAME`, `--config FILE`, `flag`
 
 MODEL_SIZE = "--model.n-layer, --model.d-model or --model.vocab-size"
 STEP_SIZE = (
@@ -82,7 +83,9 @@ class TrainingStopped(Exception):
         self.signum, self.step = signum, step
 
 
-def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+def setup(
+    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+) -> Run:
     """Data, model (-> checkpointing -> compile -> DDP/FSDP), optimizer and update rule.
 
     With `lock`, the run directory's lock is taken first (before the tokenizer or anything
@@ -92,7 +95,7 @@ def setup(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
     info = init_distributed(cfg.parallel.mode, cfg.device)
     if lock is not None:
         lock.enter_context(lock_run(cfg.out_dir, info))
-    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main)
+    cfg, corpus, tokenizer, init = load_inputs(cfg, is_main=info.is_main, origin=origin)
     cfg, precision = resolve_precision(cfg, info)
     data_mod.require_length(corpus, cfg.model.block_size, info.world_size)
     batches = Batches.from_config(cfg, corpus, info)
@@ -219,12 +222,14 @@ def _loss_line(run: Run, val: float, baseline: float) -> str:
     return f"val loss {val:.4f} {unit}{in_bits}, unigram {baseline:.4f}"
 
 
-def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
+def start(
+    cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None, origin: Origin = None
+) -> Run:
     """Setup (under `lock`, see `setup`), then resume when the run directory holds a
     snapshot (or `--resume` asks)."""
     if cfg.resume is not None:
         cfg = dataclasses.replace(cfg, out_dir=cfg.resume)
-    run = setup(cfg, lock=lock)
+    run = setup(cfg, lock=lock, origin=origin)
     has_snapshot = bool(find_snapshots(cfg.out_dir))
     if has_snapshot and not cfg.auto_resume and cfg.resume is None:
         raise ConfigError(
@@ -233,15 +238,14 @@ def start(cfg: TrainConfig, *, lock: contextlib.ExitStack | None = None) -> Run:
         )
     if maybe_resume(run, required=cfg.resume is not None):
         run.updater.mark_good(run.state.step)  # rollback returns here, never to the fresh init
-    run.monitor = watch.start(run, lock)  # under torchrun: the ranks compared first
-    return run
+    return watch.start(run, lock)  # its monitor; under torchrun the ranks compared first
 
 
-def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> TrainState:
+def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
     """Train end to end: setup or resume, warm up, then evaluate / snapshot / step / log.
 
-    `origin` (dotted setting -> `--preset NAME`, `--config FILE` or `flag`) lets the header
-    say where the settings came from. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
+    `origin` lets the header say where the settings came from, and `--init-from` warn only
+    about the flags it overrides. SIGINT or SIGTERM: a snapshot, then `TrainingStopped`.
     """
     with (
         flush_subnormals(cfg.subnormals == "flush") as flushed,  # first: workers inherit it
@@ -250,7 +254,7 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
         stop_on_signals() as stop,
         contextlib.ExitStack() as held,
     ):
-        run = start(cfg, lock=held)
+        run = start(cfg, lock=held, origin=origin)
         cfg, st, main = run.cfg, run.state, run.dist.is_main
         baseline = data_mod.unigram_entropy(run.batches.corpus)
         with (
@@ -274,7 +278,7 @@ def train(cfg: TrainConfig, *, origin: Mapping[str, str] | None = None) -> Train
             reporter.stop()  # the bar ends here; what follows prints below it
             if stopped:
                 _write_skips(run, metrics)
-                watch.save(run, run.monitor)
+                watch.save(run)
                 raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
             _evaluate_and_record(run, reporter, metrics, baseline)
             _finish(run, reporter, metrics, baseline, train_time, stop)
@@ -320,10 +324,9 @@ def _loop(
                     _evaluate_and_record(run, reporter, metrics, baseline)
                 if snapshot_due:
                     _write_skips(run, metrics)  # a crash after the snapshot keeps them
-                    watch.save(run, run.monitor)
+                    watch.save(run)
                     clock.reset()
-        outcome = train_step(run)
-        watch.after_step(run, run.monitor)  # every --doctor.every steps: Diverged if ranks disagree
+        outcome = watch.after_step(run, train_step(run))  # Diverged if the ranks disagree
         if not stop and launcher.gone():  # torchrun's agent died: stop as for SIGTERM
             log.warning("the launcher (PID %s) exited: stopping with a snapshot", launcher.parent)
             stop.signal = signal.SIGTERM
@@ -448,7 +451,7 @@ def _finish(
 ) -> None:
     """Final snapshot, the summary, then a sample (a signal during it skips the rest of it)."""
     cfg, st = run.cfg, run.state
-    watch.save(run, run.monitor)
+    watch.save(run)
     summary = _summary(run, baseline, train_time)
     metrics.write("summary", **summary)
     if cfg.sample_tokens and not stop:

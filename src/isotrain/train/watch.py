@@ -79,12 +79,12 @@ def _loss(outcome: Any) -> torch.Tensor:
     return outcome["loss"] if isinstance(outcome, dict) else outcome.loss
 
 
-def start(run: Run, stack: contextlib.ExitStack | None) -> Monitor | None:
-    """Compare the ranks once (under torchrun), then the run's Monitor (None: --doctor.every 0);
-    its hook goes with `stack`."""
+def start(run: Run, stack: contextlib.ExitStack | None) -> Run:
+    """Compare the ranks once (under torchrun), then give the run its Monitor (`run.monitor`,
+    None with --doctor.every 0), whose hook goes with `stack`; returns the run."""
     cfg = run.cfg
     if not cfg.doctor.every:
-        return None
+        return run
     if run.dist.distributed:
         _compare_ranks(run)
     monitor = Monitor(
@@ -94,7 +94,8 @@ def start(run: Run, stack: contextlib.ExitStack | None) -> Monitor | None:
     )  # fmt: skip
     if stack is not None:
         stack.callback(monitor.close)
-    return monitor
+    run.monitor = monitor
+    return run
 
 
 def _compare_ranks(run: Run) -> None:
@@ -120,15 +121,18 @@ def _said(run: Run, f: Finding) -> None:
         log.log(level, "doctor: %s at step %d: %s: %s", f.kind, run.state.step, f.where, f.evidence)
 
 
-def after_step(run: Run, monitor: Monitor | None) -> None:
-    """The monitor's step count, and at its check steps the check; Diverged if ranks disagree."""
-    if monitor is not None:
-        _stop_on(run, monitor.after_step())
+def after_step(run: Run, outcome: Any) -> Any:
+    """The monitor's step count, and at its check steps the check (Diverged if the ranks
+    disagree); returns the step's `outcome`."""
+    if run.monitor is not None:
+        _stop_on(run, run.monitor.after_step())
+    return outcome
 
 
-def save(run: Run, monitor: Monitor | None) -> Path | None:
+def save(run: Run) -> Path | None:
     """`save_run`, after a check at this step found the ranks equal (NOTE [the last
     consistent step]); Diverged, and no snapshot, when they are not."""
+    monitor = run.monitor
     if monitor is not None and monitor.ranks is not None and monitor.checked_at != run.state.step:
         _stop_on(run, monitor.check_now())
     return save_run(run)

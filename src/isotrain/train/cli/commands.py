@@ -1,4 +1,8 @@
-"""`isotrain sample | plot | report | export | prepare`: each command's options and wiring."""
+"""`isotrain sample | plot | report | export | prepare`: each command's options and wiring.
+
+Each command parses its arguments before it imports what needs torch, so `--help` and an
+argument error answer at once (NOTE [errors named, not imported] in `main`).
+"""
 
 from __future__ import annotations
 
@@ -11,17 +15,21 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from isotrain.train.cli.args import RunArgs, check_output, parse, run_of
 from isotrain.train.config import ConfigError
-from isotrain.train.rundir.writes import WriteError
+
+if TYPE_CHECKING:  # at run time imported where raised: it imports torch
+    from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["cmd_export", "cmd_plot", "cmd_prepare", "cmd_report", "cmd_sample", "tidy"]
 
 
 def _write_failed(target: object, reason: str, code: int | None) -> WriteError:
     """What `train` says of a failed write, for the other commands: exit 1, one line."""
+    from isotrain.train.rundir.writes import WriteError
+
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         fix = "make it writable or choose another --out"
     else:
@@ -89,33 +97,34 @@ class SampleArgs(RunArgs):
     """Seed of the sampling generator (the global RNG is never touched)."""
     which: Literal["latest", "best"] = "latest"
     """Snapshot to load: the newest or the best-validation one."""
+    max_whitespace: int = 64  # sampling.MAX_WHITESPACE (that module imports torch)
+    """Longest run of whitespace (spaces, tabs, newlines) a sample writes: then the next token is
+    text, so a run of spaces cannot spend the token budget (0: no limit)."""
     raw: bool = False
     """Print each sample as generated; by default trailing spaces are stripped from each line
-    and a run of blank lines ends the sample (a note on stderr says when)."""
+    and blank lines beyond two in a row are left out (a note on stderr says when)."""
 
 
 def tidy(text: str) -> str:
-    """A sample as a reader wants it: no trailing spaces, cut at the first run of 3 or more
-    blank lines, no blank lines at the end."""
+    """A sample as a reader wants it: no trailing spaces, no more than two blank lines in a row
+    (the text after a longer run is kept), none at the end."""
     lines = [line.rstrip() for line in text.split("\n")]
-    for i in range(len(lines) - 2):
-        if not (lines[i] or lines[i + 1] or lines[i + 2]):
-            lines = lines[:i]
-            break
-    return "\n".join(lines).rstrip()
+    kept = [ln for i, ln in enumerate(lines) if ln or i < 2 or lines[i - 1] or lines[i - 2]]
+    return "\n".join(kept).rstrip()
 
 
 def cmd_sample(argv: Sequence[str]) -> int:
-    from isotrain.train.model.sampling import check_sampling, samples
-
     a = parse(SampleArgs, argv, "isotrain sample")
     run = run_of(a, "isotrain sample")
+    from isotrain.train.model.sampling import check_sampling, samples
+
     check_sampling(
         tokens=a.tokens,
         temperature=a.temperature,
         top_k=a.top_k,
         top_p=a.top_p,
         num_samples=a.num_samples,
+        max_whitespace=a.max_whitespace,
     )
     prompt = a.prompt
     if a.prompt_file is not None:
@@ -136,6 +145,7 @@ def cmd_sample(argv: Sequence[str]) -> int:
         top_p=a.top_p,
         num_samples=a.num_samples,
         seed=a.seed,
+        max_whitespace=a.max_whitespace,
     )
     full = [prompt + text for text in texts]
     shown = full if a.raw else [tidy(text) for text in full]
@@ -144,7 +154,16 @@ def cmd_sample(argv: Sequence[str]) -> int:
             sys.stdout.write(f"--- sample {i + 1} of {len(texts)} ---\n")
         sys.stdout.write(text + "\n")
     if shown != full:
-        sys.stderr.write("(trailing spaces and blank-line runs left out; --raw shows them)\n")
+        sys.stderr.write(
+            "(trailing spaces and blank lines beyond two in a row left out; --raw shows them)\n"
+        )
+    long = a.max_whitespace and re.compile(rf"\s{{{a.max_whitespace},}}")
+    stopped = [i + 1 for i, text in enumerate(texts) if long and long.search(text)]
+    if stopped:
+        sys.stderr.write(
+            f"(a run of {a.max_whitespace} whitespace characters was stopped in sample "
+            f"{', '.join(map(str, stopped))}; --max-whitespace 0 lets it go on)\n"
+        )
     return 0
 
 
@@ -181,9 +200,9 @@ class PlotArgs(RunArgs):
 
 
 def cmd_plot(argv: Sequence[str]) -> int:
+    args = parse(PlotArgs, argv, "isotrain plot")
     from isotrain.train.report.plots import plot_run
 
-    args = parse(PlotArgs, argv, "isotrain plot")
     run = run_of(args, "isotrain plot")
     out = Path(args.out or run)
     check_output("--out", out, is_dir=True)
@@ -200,12 +219,12 @@ class ReportArgs(RunArgs):
 
 
 def cmd_report(argv: Sequence[str]) -> int:
+    run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
     from rich.console import Console
     from rich.table import Table
 
     from isotrain.train.report.plots import summarize_run
 
-    run = run_of(parse(ReportArgs, argv, "isotrain report"), "isotrain report")
     table = Table(title=f"isotrain report: {run}", show_header=False)
     for key, value in summarize_run(run).items():
         table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
@@ -230,9 +249,9 @@ class ExportArgs(RunArgs):
 
 
 def cmd_export(argv: Sequence[str]) -> int:
+    a = parse(ExportArgs, argv, "isotrain export")
     from isotrain.train.weights.export import export_run
 
-    a = parse(ExportArgs, argv, "isotrain export")
     run = run_of(a, "isotrain export")
     hf = a.format == "hf"
     target = Path(a.out or (f"{run}/hf" if hf else f"{run}/model.safetensors"))
@@ -272,9 +291,9 @@ class PrepareArgs:
 
 
 def cmd_prepare(argv: Sequence[str]) -> int:
+    a = parse(PrepareArgs, argv, "isotrain prepare")
     from isotrain.train.data.prepare import prepare
 
-    a = parse(PrepareArgs, argv, "isotrain prepare")
     with _writing(Path(a.out)):
         meta = prepare(
             list(a.input),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import inspect
 import json
@@ -20,26 +21,37 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
-import torch
-import torch.distributed as dist
 import tyro
-from torch import nn
 
-from isotrain.contexts import rng_isolated
-from isotrain.doctor import KINDS, Diagnosis, examine
 from isotrain.train.cli.args import check_output, parse
 from isotrain.train.config import PRESETS, ConfigError
-from isotrain.train.loop import setup
-from isotrain.train.model.gpt import GPT
-from isotrain.train.step import evaluate, train_step
-from isotrain.train.watch import run_on
+
+if TYPE_CHECKING:  # torch and what imports it: only once the arguments parsed (see `main`)
+    import torch
+    from torch import nn
+
+    from isotrain.doctor import Diagnosis
 
 __all__ = ["cmd_doctor", "trainer_setup"]
 
 Target = Annotated[str | None, tyro.conf.Positional, tyro.conf.arg(metavar="FILE.py[:FUNCTION]")]
-_ARGS = set(inspect.signature(examine).parameters) - {"checks"}  # checks: --checks, --only
+
+
+@functools.cache
+def _keys() -> tuple[list[str], list[str], str]:
+    """What the setup's dict may hold, read from isotrain.doctor.examine's signature: the
+    required names, all names, and both in words."""
+    from isotrain.doctor import examine
+
+    names = list(inspect.signature(examine).parameters.items())
+    required = [n for n, p in names if p.default is inspect.Parameter.empty]
+    rest = ", ".join(n for n, _ in names if n not in required)
+    return required, [n for n, _ in names], f"{', '.join(required)} and any of {rest}"
+
+
+EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "doctor_setup.py"  # in a clone
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,7 +63,10 @@ class DoctorArgs:
     """The file defining the setup function, optionally :FUNCTION."""
     json: str | None = None
     """Also write the diagnosis as JSON to this file."""
-    checks: Literal["all", "fast"] = "all"
+    checks: Annotated[
+        Literal["all", "fast"] | None,
+        tyro.conf.arg(metavar="{all,fast}", help_behavior_hint="(default: the setup's, else all)"),
+    ] = None
     """all, or fast (no compile checks, no few-dozen-step overfit test)."""
     only: tuple[str, ...] = ()
     """Examine only these kinds (e.g. --only host_sync mode_leak)."""
@@ -61,12 +76,24 @@ class DoctorArgs:
     """With --trainer: the trainer preset to examine."""
 
 
+def _template() -> str:
+    """Where to look for a worked setup: the repository's example, when this is a clone."""
+    if not EXAMPLE.is_file():
+        return "doctor_setup() in isotrain's examples/doctor_setup.py"
+    with contextlib.suppress(ValueError):
+        return str(EXAMPLE.relative_to(Path.cwd()))
+    return str(EXAMPLE)
+
+
 def _load_setup(target: str) -> dict[str, Any]:
     """Import FILE, call FUNCTION(), check it returned examine's arguments."""
     file, _, func = target.partition(":")
     path = Path(file).expanduser()
     if path.suffix != ".py" or not path.is_file():
-        raise ConfigError(f"{file}: no such Python file; try isotrain doctor train.py:setup")
+        raise ConfigError(
+            f"{file}: no such Python file; give the script that defines your setup function "
+            f"(a worked one: {_template()})"
+        )
     spec = importlib.util.spec_from_file_location(f"_isotrain_doctor_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{file}: cannot be imported as a Python module")
@@ -77,26 +104,35 @@ def _load_setup(target: str) -> dict[str, Any]:
         raise ConfigError(f"importing {file} raised {type(e).__name__}: {e}") from None
     name = func or "doctor_setup"
     fn = getattr(module, name, None)
+    required, names, keys = _keys()
     if not callable(fn):
-        raise ConfigError(f"{file} defines no function {name}(); write one returning a dict")
+        raise ConfigError(
+            f"{file} defines no function {name}(); write one returning a dict of "
+            f"isotrain.doctor.examine's arguments ({keys}), as in {_template()}"
+        )
     try:
         made = fn()
     except Exception as e:
         raise ConfigError(f"{name}() raised {type(e).__name__}: {e}") from None
-    if not isinstance(made, dict) or not {"model", "optimizer", "batches"} <= set(made):
+    if not isinstance(made, dict) or not set(required) <= set(made):
         raise ConfigError(
-            f"{name}() must return a dict with model, optimizer, batches (and step or "
-            f"loss_fn), got {type(made).__name__}"
+            f"{name}() must return a dict with {keys}, got "
+            + (f"keys {sorted(made)}" if isinstance(made, dict) else type(made).__name__)
         )
-    extra = sorted(set(made) - _ARGS)
+    extra = sorted(set(made) - set(names))
     if extra:
-        raise ConfigError(f"{name}() returned unknown keys {extra}; examine takes {sorted(_ARGS)}")
+        raise ConfigError(f"{name}() returned unknown keys {extra}; examine takes {keys}")
     return made
 
 
 def trainer_setup(preset: str = "tiny", *, out_dir: str, batch_size: int = 4) -> dict[str, Any]:
     """examine's arguments for the reference trainer's own step and evaluation, on batches of
     `batch_size` samples (the doctor measures behaviour, not throughput)."""
+    from isotrain.train.loop import setup
+    from isotrain.train.model.gpt import GPT
+    from isotrain.train.step import evaluate, train_step
+    from isotrain.train.watch import run_on
+
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]()
@@ -127,6 +163,8 @@ def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
     if not a.trainer:
         yield _load_setup(cast(str, a.target))
         return
+    from isotrain.contexts import rng_isolated
+
     seed = PRESETS[a.preset]().seed if a.preset in PRESETS else 0
     with tempfile.TemporaryDirectory(prefix="isotrain-doctor-") as out, rng_isolated(seed=seed):
         yield trainer_setup(a.preset, out_dir=out)
@@ -134,14 +172,17 @@ def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
 
 def cmd_doctor(argv: Sequence[str]) -> int:
     a = parse(DoctorArgs, argv, "isotrain doctor")
+    if a.json is not None:
+        check_output("--json", Path(a.json), is_dir=False)
+    from isotrain.doctor import KINDS, examine  # torch: once the arguments parsed
+
     unknown = [k for k in a.only if k not in KINDS]
     if unknown:
         raise ConfigError(f"--only {' '.join(unknown)}: no such kind; kinds: {', '.join(KINDS)}")
-    if a.json is not None:
-        check_output("--json", Path(a.json), is_dir=False)
     with _setup_of(a) as kwargs:
         main = _in_group()
-        kwargs = {**kwargs, "checks": list(a.only) if a.only else a.checks}
+        checks = list(a.only) if a.only else a.checks or kwargs.get("checks", "all")
+        kwargs = {**kwargs, "checks": checks}
         try:
             diagnosis: Diagnosis = examine(**kwargs)
         except (TypeError, ValueError) as e:
@@ -156,6 +197,8 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 def _in_group() -> bool:
     """Whether this process prints: rank 0 of the setup's process group, or a lone process.
     Under torchrun the setup must have joined the group (examine then compares the ranks)."""
+    import torch.distributed as dist
+
     world = os.environ.get("WORLD_SIZE", "1")
     joined = dist.is_available() and dist.is_initialized()
     if world.isdigit() and int(world) > 1 and not joined:

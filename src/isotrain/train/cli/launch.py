@@ -16,12 +16,14 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from typing import TYPE_CHECKING
 
 from isotrain.train.config import ConfigError
 from isotrain.train.environment import LAUNCHER
 from isotrain.train.files import replace_file
+
+if TYPE_CHECKING:  # torch: imported by `launch`, not by `isotrain --help`
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = ["failed_worker", "launch", "nproc_per_node", "tell_launcher"]
 
@@ -93,6 +95,7 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     """Run `isotrain train ARGV` in `nproc` torchrun workers on this machine; the exit status."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     threads = _threads(nproc)
     sys.stderr.write(

@@ -21,16 +21,22 @@ from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_r
 from isotrain.train.cli.flags import options
 from isotrain.train.cli.launch import launch, nproc_per_node, tell_launcher
 from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
-from isotrain.train.data.batches import DataError
 from isotrain.train.environment import install_hint
 from isotrain.train.fields import leaves
-from isotrain.train.rundir.snapshot import SnapshotError
-from isotrain.train.rundir.writes import WriteError
 
 __all__ = ["main", "parse_train_args"]
 
 DEFAULT_OUT = TrainConfig().out_dir
-USER_ERRORS = (ConfigError, DataError, SnapshotError, FileNotFoundError)
+# NOTE [errors named, not imported]
+# This module imports no torch, so that --help, --version and argument errors answer at once
+# (tests/train/test_cli.py holds it). The errors a command may raise live in modules that do
+# import torch; an exception can only be raised once its class's module is imported, so the
+# classes are looked up in sys.modules after the fact (`_raised`) rather than imported here.
+USER_ERRORS = (
+    ("isotrain.train.data.sources", "DataError"),
+    ("isotrain.train.rundir.integrity", "SnapshotError"),
+)
+WRITE_ERROR = ("isotrain.train.rundir.writes", "WriteError")
 # Optional packages and the extra that installs each: a missing one is a user error too.
 EXTRAS = {
     "matplotlib": "plots",
@@ -172,14 +178,14 @@ def _new_run_name(argv: Sequence[str], cfg: TrainConfig) -> str:
 
 
 def cmd_train(argv: Sequence[str]) -> int:
-    from isotrain.train.loop import TrainingStopped, train
+    nproc, argv = nproc_per_node(argv)
+    cfg, origin = _resolve(argv)
+    validate(cfg)
+    from isotrain.train.loop import TrainingStopped, train  # torch: once the flags are good
     from isotrain.train.report.progress import where_and_next
     from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
     from isotrain.train.watch import Diverged
 
-    nproc, argv = nproc_per_node(argv)
-    cfg, origin = _resolve(argv)
-    validate(cfg)
     if nproc is not None and cfg.parallel.mode == "none":
         raise ConfigError(
             f"--nproc-per-node {nproc} trains one model in {nproc} processes: pass "
@@ -237,11 +243,23 @@ COMMANDS: dict[str, tuple[Callable[[Sequence[str]], int], str]] = {
 
 
 def _version() -> str:
-    import torch
+    """Both versions, torch's from its metadata: importing it would take seconds."""
+    from importlib.metadata import PackageNotFoundError, version
 
     from isotrain import __version__
 
-    return f"isotrain {__version__} (torch {torch.__version__})"
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    return f"isotrain {__version__} (torch {torch})"
+
+
+def _raised(e: BaseException, *kinds: tuple[str, str]) -> bool:
+    """`e` is one of `kinds` (module, class name), imported or not (NOTE [errors named, not
+    imported])."""
+    mods = ((sys.modules.get(module), name) for module, name in kinds)
+    return any(mod is not None and isinstance(e, getattr(mod, name)) for mod, name in mods)
 
 
 def _help() -> str:
@@ -285,14 +303,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[argv[0]][0](argv[1:])
-    except USER_ERRORS as e:  # the same on every rank of a torchrun job: rank 0 says it
+    except (ConfigError, FileNotFoundError) as e:  # alike on every rank: rank 0 says it
         _say(f"isotrain {argv[0]}: error: {e}", everywhere=not isinstance(e, ConfigError))
         return 2
-    except WriteError as e:  # the machine, not the command: exit 1
-        _say(f"isotrain {argv[0]}: error: {e}", everywhere=True)
-        return 1
-    except ImportError as e:
-        message = _missing_extra(e)
+    except Exception as e:
+        if _raised(e, *USER_ERRORS):  # the data or a snapshot, on any rank: each says it
+            _say(f"isotrain {argv[0]}: error: {e}", everywhere=True)
+            return 2
+        if _raised(e, WRITE_ERROR):  # the machine, not the command: exit 1
+            _say(f"isotrain {argv[0]}: error: {e}", everywhere=True)
+            return 1
+        message = _missing_extra(e) if isinstance(e, ImportError) else None
         if message is None:
             raise
         _say(f"isotrain {argv[0]}: error: {message}", everywhere=False)  # alike on every rank

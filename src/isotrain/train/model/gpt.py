@@ -7,40 +7,17 @@ Pre-LayerNorm blocks, learned positions, causal attention through
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from isotrain.train.model.shape import GPTConfig
+
 __all__ = ["GPT", "Block", "GPTConfig"]
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True, kw_only=True)
-class GPTConfig:
-    """Shape of the GPT (the trainer's `--model.*` flags). Changing any field but dropout
-    makes a snapshot incompatible."""
-
-    n_layer: int = 4
-    """Number of transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block; must divide d_model."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    block_size: int = 128
-    """Context length in tokens (bytes for the default tokenizer)."""
-    vocab_size: int = 256
-    """Vocabulary size; left at 256 it takes the run's tokenizer's (a tokenizer.json, prepared
-    data, --init-from); the number of tokens to train for --tokenizer bpe."""
-    dropout: float = 0.0
-    """Dropout probability in attention and MLP outputs."""
-    bias: bool = True
-    """Use biases in Linear and LayerNorm layers."""
-    gelu: Literal["exact", "tanh"] = "exact"
-    """GELU form in the MLP: exact (erf), or tanh (GPT-2's approximation, for its checkpoints)."""
 
 
 class CausalSelfAttention(nn.Module):
@@ -165,12 +142,14 @@ class GPT(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
+        forbid: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Extend `idx` (B, T) by sampling `max_new_tokens` tokens; call it in eval mode.
 
         temperature 0 picks the most likely token; `top_k` keeps the k most likely, `top_p`
         the smallest set whose probability reaches p (nucleus sampling); `generator` makes
-        sampling reproducible without touching the global RNG.
+        sampling reproducible without touching the global RNG; `forbid(idx)`, before each
+        token, marks (B, vocab) the tokens it must not be.
         """
         if not temperature >= 0:  # also refuses NaN
             raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -180,6 +159,8 @@ class GPT(nn.Module):
             raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.cfg.block_size :])[:, -1, :].float()  # (B, vocab)
+            if forbid is not None:
+                logits = logits.masked_fill(forbid(idx), float("-inf"))
             if temperature == 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)
             else:
