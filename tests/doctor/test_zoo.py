@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.doctor import zoo, zoo_ranks
+from tests.doctor import zoo, zoo_ranks, zoo_reports
 from tests.doctor.zoo import lm_setup, mlp_setup
 
 from isotrain.doctor import KINDS, examine
@@ -123,6 +123,7 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
     ("memory", lm_setup, lm_setup, "info"),
     ("doctor_error", lambda: mlp_setup(step=zoo.step_raises), mlp_setup, "error"),
 ]  # fmt: skip
+CASES += zoo_reports.CASES  # the bugs of public reports, each with its link
 
 
 def _id(case: tuple[Any, ...]) -> str:

@@ -68,6 +68,7 @@ class Context:
     loss_falls: bool | None = None  # the user's declaration: None = judge by the setup
     asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
     cache: dict[str, Any] = field(default_factory=dict)
+    source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     ranks: Any = None  # the doctor's link between ranks (a _ranks.Ranks) under a process group
     snapshot: Snapshot = field(init=False)
     settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began

@@ -19,21 +19,27 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import all_cuda_devices, capture_rng
+from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
+from isotrain.doctor._batch import check_batch_size
 from isotrain.doctor._collectives import Collectives, checking_collectives
 from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
 from isotrain.doctor._fit import check_loss_at_init, check_overfit
+from isotrain.doctor._grads import check_accumulation, check_graph_retained, check_stale
+from isotrain.doctor._loss import check_labels, check_loss_broadcast, check_padding, check_softmax
 from isotrain.doctor._memory import check_memory
 from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
 from isotrain.doctor._params import check_learning, check_optimizer
+from isotrain.doctor._precision import check_autocast
 from isotrain.doctor._ranks import RankError, Ranks, distributed
 from isotrain.doctor._replica_text import merge_findings
 from isotrain.doctor._replicas import check_ranks
+from isotrain.doctor._schedule import check_lr
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
+from isotrain.doctor._workers import check_worker_seed
 
 __all__ = ["CHECKS", "examine"]
 
@@ -55,6 +61,35 @@ class Check:
     fast: bool = True
     traces: bool = False
     ranks: bool = False  # compares ranks: left out of "all"/"fast" in a single process
+
+
+# the kinds read from one trace of the user's step (_trace), each with its own check
+_TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
+    ("labels_not_shifted", check_labels),
+    ("padding_in_loss", check_padding),
+    ("loss_broadcast", check_loss_broadcast),
+    ("softmax_before_loss", check_softmax),
+    ("graph_retained", check_graph_retained),
+    ("stale_gradient", check_stale),
+    ("accumulation_scale", check_accumulation),
+    ("autocast_not_applied", check_autocast),
+    ("lr_collapse", check_lr),
+)
+
+
+def _each(parts: Sequence[tuple[str, Callable[[Context], list[Finding]]]], ctx: Context) -> Any:
+    """Several kinds' checks as one family (one reset around them all); a check that cannot
+    run says so as an info finding of its own kind, one that raises as a doctor_error."""
+    out: list[Finding] = []
+    for kind, check in parts:
+        try:
+            out += check(ctx)
+        except CannotRun as e:
+            out.append(Finding(kind, "info", kind, f"not checked: {e}", "-"))
+        except Exception as e:
+            log.debug("doctor check %s raised", kind, exc_info=True)
+            out.append(_raised(kind, e))
+    return out
 
 
 CHECKS: tuple[Check, ...] = (
@@ -93,6 +128,9 @@ CHECKS: tuple[Check, ...] = (
     Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
     Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
     Check("memory", ("memory",), check_memory),
+    Check("batch_size", ("batch_size_mismatch",), check_batch_size),
+    Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
+    Check("workers", ("dataloader_worker_seed",), check_worker_seed),
     Check(
         "ranks",
         (
@@ -147,16 +185,69 @@ def _plain_step(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> StepFn:
     return step
 
 
-def _batches(batches: Iterable[Any]) -> list[Any]:
+def _generators(batches: Any) -> list[torch.Generator]:
+    """The torch.Generators a DataLoader draws its order from (iterating advances them)."""
+    sampler = getattr(batches, "sampler", None)
+    inner = getattr(getattr(batches, "batch_sampler", None), "sampler", None)
+    found = [getattr(o, "generator", None) for o in (batches, sampler, inner)]
+    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
+
+
+def _batches(batches: Iterable[Any], rng: dict[str, Any]) -> list[Any]:
+    """The first MAX_BATCHES batches of a list, a DataLoader or any iterable; the RNGs and a
+    DataLoader's generators are put back, so the user's own epoch draws what it would have."""
     items = list(batches) if isinstance(batches, (list, tuple)) else None
     if items is None:
-        items = list(itertools.islice(iter(batches), MAX_BATCHES))
+        generators = _generators(batches)
+        states = [g.get_state() for g in generators]
+        try:
+            items = list(itertools.islice(iter(batches), MAX_BATCHES))
+        finally:
+            restore_rng(rng)
+            for g, state in zip(generators, states, strict=True):
+                g.set_state(state)
     if len(items) < 2:
         raise ValueError(
             f"examine needs at least 2 batches (got {len(items)}): several checks compare one "
             "batch with another, e.g. batches=[next(it), next(it)]"
         )
     return items[:MAX_BATCHES]
+
+
+def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a Hugging Face style model returns for a dict batch: model(**batch).loss."""
+    out = model(**batch)
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "the model returned no .loss for a dict batch: put labels in the batch, or pass "
+            "loss_fn=f(model, batch) or step=your_step(model, optimizer, batch)"
+        )
+    return loss
+
+
+def _loss_of(
+    items: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
+) -> Callable[[nn.Module, Any], torch.Tensor]:
+    """loss_fn, or the model's own .loss for dict batches (refused for any other batch)."""
+    if loss_fn is not None:
+        return loss_fn
+    if not isinstance(items[0], dict):
+        raise ValueError(
+            "pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch) (a dict "
+            "batch needs neither when the model returns .loss)"
+        )
+    return _model_loss
+
+
+def _raised(where: str, e: Exception) -> Finding:
+    """The doctor_error of a check that raised: its first line."""
+    first = (str(e).splitlines() or [""])[0]
+    return Finding(
+        "doctor_error", "error", where, f"{type(e).__name__}: {first}",
+        "the check could not finish on this setup; run the others with "
+        "checks=[...] and report the error if it is the doctor's",
+    )  # fmt: skip
 
 
 def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
@@ -177,12 +268,7 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
         ]
     except Exception as e:
         log.debug("doctor check %s raised", check.name, exc_info=True)
-        first = (str(e).splitlines() or [""])[0]
-        return [Finding(
-            "doctor_error", "error", check.name, f"{type(e).__name__}: {first}",
-            "the check could not finish on this setup; run the others with "
-            "checks=[...] and report the error if it is the doctor's",
-        )]  # fmt: skip
+        return [_raised(check.name, e)]
     finally:
         ctx.reset()
         log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)
@@ -221,8 +307,10 @@ def examine(
     Runs your step on your own `model` and `optimizer` (one, or a list: a GAN's two) and
     puts everything back after each check: parameters, grads, buffers, optimizer state,
     schedulers bound to it, the RNGs and every global flag are as before when it returns.
-    `step(model, optimizer, batch) -> loss` is your own training step; without it
-    `loss_fn(model, batch) -> loss` drives a plain one.
+    `batches`: a list, a DataLoader or any iterable (its first 8). `step(model, optimizer,
+    batch) -> loss` is your own training step; without it `loss_fn(model, batch) -> loss`
+    drives a plain one, and a dict batch needs neither when the model returns `.loss`
+    (`model(**batch).loss`, as Hugging Face models do).
 
     Declarations for setups that are right but unusual: `samples_interact=True` when the
     samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
@@ -237,16 +325,15 @@ def examine(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     optimizers = _optimizers(optimizer)
-    if step is None and loss_fn is None:
-        raise ValueError("pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch)")
     if task not in _TASKS:
         raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
+    items = _batches(batches, rng)
     ctx = Context(
-        model, optimizer, optimizers, _batches(batches),
-        step or _plain_step(loss_fn), eval_fn, task, step is None, rng,  # type: ignore[arg-type]
+        model, optimizer, optimizers, items, step or _plain_step(_loss_of(items, loss_fn)),
+        eval_fn, task, step is None, rng, source=batches,
         samples_interact=samples_interact, loss_falls=loss_falls,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
