@@ -64,6 +64,7 @@ KNOWN = (
     Bench("compile", "bench_compile.py"),
     Bench("contexts", "bench_contexts.py"),
     Bench("doctor", "bench_doctor.py"),
+    Bench("monitor", "bench_monitor.py"),
     Bench("guard", "bench_guard.py"),
     Bench("qat", "bench_qat.py"),
     Bench("trainer", "bench_trainer.py"),

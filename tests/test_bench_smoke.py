@@ -240,6 +240,15 @@ EXPECTED = {
         "| findings (error/warning/info) |",
         {"no error or warning", "state restored"},
     ),
+    "monitor": (
+        "| monitor | checks in the run | ms/step (median) | extra ms/step vs off, paired [95% CI] "
+        "| one check, ms (median) | between checks, µs/step | cost per step at this period |",
+        {
+            "no finding on the sound copies",
+            "same losses with and without the monitor",
+            "a drift on rank 1 is found at the next check",
+        },
+    ),
     "qat": (
         "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
         {"finished, finite"},

@@ -27,6 +27,10 @@ __all__ = [
     "compiled_call",
     "compiler_stance",
     "conv_forward",
+    "ddp_reduction_pending",
+    "ddp_reset_reduction",
+    "ddp_wrapped_params",
+    "default_store",
     "dynamo_allows_rnn",
     "dynamo_backends",
     "dynamo_supported",
@@ -260,3 +264,36 @@ def set_compiled_call(module: nn.Module, fn: Callable[..., Any] | None) -> None:
 def eager_call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Call `module` eagerly (hooks included), bypassing its compiled callable."""
     return module._call_impl(*args, **kwargs)
+
+
+# -- torch.distributed internals --------------------------------------------------------------
+def default_store() -> Any:
+    """The rendezvous store of the default process group (torchrun's TCPStore)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def ddp_wrapped_params(ddp: nn.Module) -> list[torch.Tensor] | None:
+    """The parameters DistributedDataParallel put its gradient hooks on when it was built
+    (None when this torch keeps them elsewhere)."""
+    params = getattr(ddp, "_module_parameters", None)
+    return list(params) if isinstance(params, list) else None
+
+
+def ddp_reduction_pending(ddp: nn.Module) -> bool:
+    """Whether DDP's reducer still waits for gradients of its last backward (its hooks sit on
+    tensors that got none: the next forward would raise "Expected to have finished reduction")."""
+    reducer = getattr(ddp, "reducer", None)
+    try:
+        reducer._check_reducer_finalized()  # type: ignore[union-attr]
+    except RuntimeError:
+        return True
+    except AttributeError:
+        return False
+    return False
+
+
+def ddp_reset_reduction(ddp: nn.Module) -> None:
+    """Drop the reduction DDP's reducer waits for (what `_update_process_group` does first)."""
+    ddp.reducer._reset_state()  # type: ignore[union-attr, operator]

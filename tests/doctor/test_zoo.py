@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.doctor import zoo, zoo_reports
+from tests.doctor import zoo, zoo_ranks, zoo_reports
 from tests.doctor.zoo import lm_setup, mlp_setup
 
 from isotrain.doctor import KINDS, examine
@@ -142,7 +142,9 @@ def test_the_doctor_finds_the_bug_and_nothing_wrong_in_the_clean_twin(case: Any)
 
 
 def test_every_kind_has_a_case_in_the_zoo() -> None:
-    assert {c[0] for c in CASES} | {"buffer_write_in_eval"} == set(KINDS)  # BN: below
+    across = {c[0] for c in zoo_ranks.CASES}  # test_ranks.py, in a world of two
+    monitor = {"lost_update", "nonfinite_grad", "lr_off_schedule"}  # test_monitor, test_ranks
+    assert {c[0] for c in CASES} | {"buffer_write_in_eval"} | across | monitor == set(KINDS)
 
 
 def test_a_host_sync_is_located_at_the_users_line_and_counted_per_step() -> None:

@@ -237,3 +237,21 @@ def test_a_second_train_call_keeps_one_guard_and_its_counters(tmp_path: Path) ->
         opt = getattr(opt, "optimizer", None)
     assert chain == ["GuardedOptimizer", "AcceleratedOptimizer", "AdamW"]
     assert trainer.optimizer.guard.steps == 12
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_monitor_every_checks_the_run_and_names_a_layer_that_never_trains(
+    tmp_path: Path, dead: bool
+) -> None:
+    model = _model()
+    if dead:  # BUG: the position embedding's gradient is thrown away (a hook left from a test)
+        model.transformer.wpe.weight.register_hook(torch.zeros_like)
+    args = _args(tmp_path, max_steps=24, logging_steps=50)
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=_data(), monitor_every=2)
+    trainer.train()
+    monitor = trainer.monitor
+    assert monitor.step == 24 and monitor.checked_at == 24
+    found = [(f.kind, f.severity, f.where) for f in monitor.findings]
+    assert found == ([("params_unchanged", "warning", "transformer.wpe.weight")] if dead else [])
+    with pytest.raises(ValueError, match=r"^monitor_every must be 0 \(off\) or a number of steps"):
+        GuardedTrainer(model=model, args=args, train_dataset=_data(), monitor_every=-1)

@@ -288,3 +288,35 @@ def test_skips_between_log_steps_reach_the_loggers(tmp_path: Path) -> None:
     # Logged at step index 4 (the 5th step): the skip of step 3, reason 2 (NONFINITE_GRAD);
     # the skip of step 7 came after the last log step: written when training ended.
     assert rows == [("4", "1.0", "2.0"), ("7", "2.0", "2.0")]
+
+
+class _DeadBranch(_Module):
+    """BUG: a branch whose output is multiplied by 0, so its weights never train."""
+
+    def __init__(self, dead: bool) -> None:
+        super().__init__()
+        self.extra, self.dead = nn.Linear(6, 1), dead
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        scale = 0.0 if self.dead else 1.0
+        return (self.net(x) + scale * self.extra(x) - y).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.0)
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_monitor_every_checks_the_fit_and_names_a_branch_that_never_trains(dead: bool) -> None:
+    callback = GuardCallback(monitor_every=2)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=24, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(_DeadBranch(dead), _loader())
+    monitor = callback.monitor
+    assert monitor.step == 24 and monitor.checked_at == 24  # every optimizer step counted
+    found = [(f.kind, f.severity, f.where) for f in monitor.findings]
+    assert found == ([("params_unchanged", "warning", "extra.weight, extra.bias")] if dead else [])
+    with pytest.raises(ValueError, match=r"^monitor_every must be 0 \(off\) or a number of steps"):
+        GuardCallback(monitor_every=-1)

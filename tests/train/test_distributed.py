@@ -12,6 +12,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -402,6 +403,60 @@ def _check_ddp_compile(info: DistInfo, out_dir: Path) -> dict:
     return out
 
 
+def _doctor_cfg(out: Path, every: int, **kw) -> C.TrainConfig:
+    return _smoke(
+        parallel=C.ParallelConfig(mode="ddp"), doctor=C.DoctorConfig(every=every),
+        snapshot=C.SnapshotConfig(every=4), steps=8, eval_every=100, log_every=1,
+        sample_tokens=0, out_dir=str(out), **kw,
+    )  # fmt: skip
+
+
+def _check_doctor(info: DistInfo, out_dir: Path) -> dict:
+    """The trainer's doctor under torchrun: it changes nothing in a sound run; an update that
+    differs on rank 1 at step 6 stops the run at the check of step 8, with step 4's snapshot
+    the newest; the same batches on every rank stop it before the first step."""
+    from isotrain.train import loop
+    from isotrain.train.rundir.snapshot import find_snapshots
+    from isotrain.train.watch import Diverged
+
+    out: dict = {}
+    for every in (0, 2):
+        st = loop.train(_doctor_cfg(out_dir / f"doctor{every}", every))
+        out[f"doctor{every}_steps"] = st.step
+    real = loop.build_optimizer
+
+    def faulty(model, cfg):  # rank 1's update at step 6 is not rank 0's
+        opt = real(model, cfg)
+
+        def drift(*_):  # AdamW's own count: the doctor's trial steps are undone with its state
+            weight = model.lm_head.weight
+            if info.rank == 1 and int(opt.state[weight]["step"]) == 6:
+                with torch.no_grad():
+                    weight[0, 0] += 1e-3
+
+        opt.register_step_post_hook(drift)
+        return opt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "build_optimizer", faulty)
+        try:
+            loop.train(_doctor_cfg(out_dir / "drift", 4))
+        except Diverged as e:
+            out["drift_error"] = str(e)
+        drawn = loop.Batches.from_config  # BUG below: every rank draws rank 0's batches
+
+        def rank_0s(cls, cfg, corpus, dist_info):
+            return drawn(cfg, corpus, dataclasses.replace(dist_info, rank=0))
+
+        mp.setattr(loop.Batches, "from_config", classmethod(rank_0s))
+        try:
+            loop.train(_doctor_cfg(out_dir / "same", 4))
+        except Diverged as e:
+            out["same_error"] = str(e)
+    out["drift_snapshots"] = [p.name for p in find_snapshots(out_dir / "drift")]
+    return out
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
@@ -419,6 +474,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res.update(_check_fsdp_resume(info, Path(out)))
         res.update(_check_lock_agreement(Path(out)))
         res.update(_check_ddp_compile(info, Path(out)))
+        res.update(_check_doctor(info, Path(out)))
         res["any_rank"] = [any_rank(info.rank == 1, info.device), any_rank(False, info.device)]
         res["world"] = dist.get_world_size()
     res["destroyed"] = not dist.is_initialized()
@@ -541,3 +597,28 @@ def test_under_torchrun_rank_0_locks_and_every_rank_stops(world) -> None:
     )
     assert results[1]["lock_error"] == f"rank 0 could not lock {out / 'locked'}; see its error"
     assert sorted(p.name for p in (out / "locked").iterdir()) == [".lock"]  # nothing written
+
+
+@pytest.mark.slow
+def test_the_doctor_changes_nothing_and_stops_a_diverged_run_at_its_check(world) -> None:
+    results, out = world
+    for res in results:
+        assert res["doctor0_steps"] == res["doctor2_steps"] == 8
+        assert res["drift_snapshots"] == ["step_0000004"]  # nothing saved after the drift
+        snap = out / "drift" / "snapshots" / "step_0000004"
+        assert re.fullmatch(
+            r"replica_divergence at step 8: wte\.weight \(ranks 0 and 1 differ; max \|difference\| "
+            r"0\.00\d+ in wte\.weight\); stopped without saving it, the newest snapshot, "
+            + re.escape(str(snap))
+            + r", is the last consistent step: fix the cause, then resume "
+            r"from it",
+            res["drift_error"],
+        ), res["drift_error"]  # lm_head.weight is tied to wte.weight: one tensor, its first name
+        assert res["same_error"].startswith("same_data_on_ranks before step 1: batches: ranks 0, 1")
+    (a, pa), (b, pb) = (load_snapshot(out / f"doctor{every}") for every in (0, 2))
+    assert pa.name == pb.name == "step_0000008"
+    for name, p in a["model"].items():
+        assert torch.equal(p, b["model"][name]), name  # the doctor left the run as it was
+    for i, state in a["optimizer"]["state"].items():
+        for k, v in state.items():
+            assert torch.equal(v, b["optimizer"]["state"][i][k]), (i, k)

@@ -206,6 +206,8 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
             left_out.append(command)
             if command[0] == ".venv/bin/torchrun":
                 isotrain = command[command.index("isotrain") + 1 :]
+                if isotrain[0] == "doctor":  # no run directory: tests/doctor/test_ranks.py runs it
+                    continue
                 assert "--out-dir" in isotrain, command  # never the default run directory
                 parse_train_args(isotrain[1:])
             continue

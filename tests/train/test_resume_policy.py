@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from isotrain.train import config as C
-from isotrain.train import loop
+from isotrain.train import loop, watch
 from isotrain.train.cli.main import main
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
@@ -97,13 +97,13 @@ def test_more_steps_continue_the_run(finished) -> None:
 
 def _saved_steps(monkeypatch, tmp_path, **kw) -> list[int]:
     steps: list[int] = []
-    real = loop.save_run
+    real = watch.save_run  # every snapshot of the loop goes through watch.save
 
     def record(run):
         steps.append(run.state.step)
         return real(run)
 
-    monkeypatch.setattr(loop, "save_run", record)
+    monkeypatch.setattr(watch, "save_run", record)
     base = C.PRESETS["smoke"]()
     cfg = dataclasses.replace(
         base,

@@ -141,7 +141,7 @@ TRAIN_CASES = [
      "--preset needs a value; try isotrain train --help"),
     ("help-unknown-section", ["--help", "modle"], None,
      "--help modle: no such section; try one of model, data, optim, checkpointing, compile, "
-     "guard, quant, snapshot, parallel, report, run, presets"),
+     "guard, quant, snapshot, parallel, report, doctor, run, presets"),
     ("data-missing", ["--data.path", "<file>.missing"], None,
      "--data.path <file>.missing: no such file or directory"),
 ]  # fmt: skip

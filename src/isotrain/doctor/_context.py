@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng
-from isotrain._torch_private import tree_leaves
+from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor._globals import StepState
 from isotrain.doctor._snapshot import Snapshot
 
@@ -70,19 +70,25 @@ class Context:
     asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
     cache: dict[str, Any] = field(default_factory=dict)
     source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
+    ranks: Any = None  # the doctor's link between ranks (a _ranks.Ranks) under a process group
     snapshot: Snapshot = field(init=False)
     step_state: StepState = field(init=False)
+    settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
         self.step_state = StepState(self.step, self.eval_fn)
+        self.settled = not (_is_ddp(self.model) and ddp_reduction_pending(self.model))
 
     def reset(self) -> None:
         """Put the user's objects, the state their step keeps in globals, global flags and
-        RNG back as examine found them."""
+        RNG back as examine found them (DDP's reducer too: a step whose reduction never
+        finished leaves it waiting)."""
         self.snapshot.restore()
         self.step_state.restore()
         restore_rng(self.rng)
+        if self.settled and _is_ddp(self.model) and ddp_reduction_pending(self.model):
+            ddp_reset_reduction(self.model)
 
     def fresh(self) -> tuple[nn.Module, Any]:
         """The user's own model and optimizer(s), as they were when examine was called, with
@@ -103,6 +109,16 @@ class Context:
             ) from e
         restore_rng(self.rng)
         return model
+
+    def refuse(self, reason: str | None) -> None:
+        """CannotRun(reason) when this rank has a reason not to run, and on every rank when any
+        rank has one: under a process group the ranks then take the same collectives."""
+        if self.ranks is not None:
+            reasons = self.ranks.gather("whether a check can run", reason)
+            reason = next((f"on rank {r}: {why}" for r, why in enumerate(reasons) if why), None)
+            reason = reasons[self.ranks.rank] or reason
+        if reason:
+            raise CannotRun(reason)
 
     def run_step(self, model: nn.Module, opt: Any, batch: Any) -> Any:
         """The user's step."""
@@ -171,6 +187,10 @@ def inner(model: nn.Module) -> nn.Module:
         if not isinstance(nxt, nn.Module):
             return model
         model = nxt
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 def _is_wrapper(model: nn.Module) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
 from isotrain.doctor._batch import check_batch_size
+from isotrain.doctor._collectives import Collectives, checking_collectives
 from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
 from isotrain.doctor._context import CannotRun, Context, StepFn
 from isotrain.doctor._finding import KINDS, Diagnosis, Finding
@@ -32,6 +33,9 @@ from isotrain.doctor._model import check_batch_mixing, check_causal_leak
 from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
 from isotrain.doctor._params import check_learning, check_optimizer
 from isotrain.doctor._precision import check_autocast
+from isotrain.doctor._ranks import RankError, Ranks, distributed
+from isotrain.doctor._replica_text import merge_findings
+from isotrain.doctor._replicas import check_ranks
 from isotrain.doctor._schedule import check_lr
 from isotrain.doctor._state import check_leaks, check_rng_leak
 from isotrain.doctor._sync import check_host_sync
@@ -42,6 +46,7 @@ __all__ = ["CHECKS", "examine"]
 log = logging.getLogger(__name__)
 MAX_BATCHES = 8
 _TASKS = (None, "lm", "classification", "gan")
+MONITOR_KINDS = ("lost_update", "nonfinite_grad", "lr_off_schedule")
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class Check:
     run: Callable[[Context], list[Finding]]
     fast: bool = True
     traces: bool = False
+    ranks: bool = False  # compares ranks: left out of "all"/"fast" in a single process
 
 
 # the kinds read from one trace of the user's step (_trace), each with its own check
@@ -125,15 +131,25 @@ CHECKS: tuple[Check, ...] = (
     Check("batch_size", ("batch_size_mismatch",), check_batch_size),
     Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
     Check("workers", ("dataloader_worker_seed",), check_worker_seed),
+    Check(
+        "ranks",
+        (
+            "replica_divergence",
+            "gradient_not_synchronized",
+            "same_data_on_ranks",
+            "collective_mismatch",
+        ),
+        check_ranks,
+        ranks=True,
+    ),
 )
 
 
 def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     """The check families to run and the kinds to report."""
-    if checks == "all":
-        return list(CHECKS), set(KINDS)
-    if checks == "fast":
-        chosen = [c for c in CHECKS if c.fast]
+    if checks in ("all", "fast"):
+        many = distributed()
+        chosen = [c for c in CHECKS if (c.fast or checks == "all") and (many or not c.ranks)]
         return chosen, {k for c in chosen for k in c.kinds} | {"doctor_error"}
     if isinstance(checks, str) or not all(isinstance(k, str) for k in checks):
         raise ValueError(
@@ -143,6 +159,12 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     unknown = [k for k in checks if k not in KINDS]
     if unknown:
         raise ValueError(f"unknown check kind(s) {unknown}; choose from: {', '.join(KINDS)}")
+    of_runs = [k for k in checks if k in MONITOR_KINDS]
+    if of_runs:
+        raise ValueError(
+            f"{', '.join(of_runs)}: reported by isotrain.doctor.Monitor during a real run, "
+            "not by examine"
+        )
     kinds = set(checks) | {"doctor_error"}
     return [c for c in CHECKS if kinds & set(c.kinds)], kinds
 
@@ -236,6 +258,8 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
         ctx.reset()
         with torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext():
             return check.run(ctx)
+    except RankError:
+        raise  # the ranks are no longer in step: examine stops comparing them
     except CannotRun as e:
         return [
             Finding(k, "info", check.name, f"not checked: {e}", "-")
@@ -276,6 +300,7 @@ def examine(
     task: str | None = None,
     samples_interact: bool = False,
     loss_falls: bool | None = None,
+    rank_timeout: float = 120.0,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
 
@@ -292,6 +317,9 @@ def examine(
     samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
     =False` when the loss is not meant to fall (adversarial; the default judges it unless
     there are several optimizers or task="gan").
+
+    Under a process group, call it on every rank: the ranks are compared too (replicas,
+    gradients, data, collectives), each exchange waiting at most `rank_timeout` seconds.
 
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
@@ -310,21 +338,59 @@ def examine(
         samples_interact=samples_interact, loss_falls=loss_falls,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
-    found: list[Finding] = []
     try:
-        for check in families:
-            found += [f for f in _run_one(check, ctx, kinds) if f.kind in kinds]
-        found += _step_error(ctx)
+        found = _run_all(ctx, families, kinds, rank_timeout)
     finally:
         ctx.reset()
     examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)
     return Diagnosis(found, examined, time.perf_counter() - started)
 
 
+def _run_all(
+    ctx: Context, families: list[Check], kinds: set[str], rank_timeout: float
+) -> list[Finding]:
+    """Every family in order; under a process group over the doctor's link, with the user's
+    collectives checked, the ranks meeting after each family, every rank's findings merged."""
+    link = ctx.ranks = Ranks(timeout=rank_timeout) if distributed() else None
+    try:
+        return _families(ctx, families, kinds, link)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _families(
+    ctx: Context, families: list[Check], kinds: set[str], link: Ranks | None
+) -> list[Finding]:
+    found: list[Finding] = []
+    checked = checking_collectives(link) if link is not None else contextlib.nullcontext()
+    try:
+        with checked as calls:
+            ctx.cache["collectives"] = calls
+            # the ranks first: a DDP bug is seen before other checks step on its reducer
+            for check in sorted(families, key=lambda c: not c.ranks):
+                found += [f for f in _run_one(check, ctx, kinds) if f.kind in kinds]
+                if link is not None:
+                    link.gather(f"the end of the {check.name} checks")
+        found += _step_error(ctx)
+        if link is not None:
+            found = merge_findings(link.gather("every rank's findings", found))
+    except RankError as e:  # one line naming the ranks; nothing more is compared
+        kind = "collective_mismatch" if e.apart else "doctor_error"
+        found.append(Finding(
+            kind, "error", "across ranks", str(e),
+            "make every rank run the same steps and collectives in the same order (no "
+            "rank-dependent branches around forward, backward, optimizer.step or dist calls)",
+        ))  # fmt: skip
+    return found
+
+
 def _step_error(ctx: Context) -> list[Finding]:
-    """One doctor_error when the user's own step raised (the checks needing it said so)."""
+    """One doctor_error when the user's own step raised (the checks needing it said so); a
+    collective mismatch is its own finding."""
     probe = ctx.cache.get("probe")
-    if probe is None or probe.error is None:
+    calls: Collectives | None = ctx.cache.get("collectives")
+    if probe is None or probe.error is None or (calls is not None and calls.mismatch):
         return []
     return [Finding(
         "doctor_error", "error", "your step", f"the step raised {probe.error}",

@@ -52,6 +52,19 @@ KINDS: dict[str, str] = {
     "lr_collapse": "the learning rate falls more than 100x within the examined steps",
     "dataloader_worker_seed": "DataLoader workers share a random state: augmentations repeat",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
+    "replica_divergence": "a replicated parameter differs across data-parallel ranks (which "
+    "parameter, which ranks, the largest difference)",
+    "gradient_not_synchronized": "after backward, a data-parallel model's gradients differ "
+    "across ranks (DDP hooks on replaced parameters, the wrapper bypassed, no_sync left on)",
+    "same_data_on_ranks": "ranks got byte-identical batches (no DistributedSampler, data not "
+    "split by rank)",
+    "collective_mismatch": "ranks call a collective with tensors of other shapes or dtypes, or "
+    "reach collectives in another order (compared before the collective runs)",
+    "lost_update": "Monitor: the gradients optimizer.step() applied differ across ranks (an "
+    "all-reduce's result differed)",
+    "nonfinite_grad": "Monitor: optimizer.step() got NaN/Inf gradients (an error once a "
+    "parameter holds NaN/Inf)",
+    "lr_off_schedule": "Monitor: a step's learning rate is not the one its schedule gives",
 }
 
 

@@ -59,8 +59,8 @@ def check_batch_mixing(ctx: Context) -> list[Finding]:
     """batch_mixing: does sample 0's input change samples 1..B-1's outputs?"""
     batch = ctx.batches[0]
     x, _ = ctx.main_input(batch)
-    if x.dim() == 0 or x.shape[0] < 2:
-        raise CannotRun("needs a batch of at least 2 samples along dimension 0")
+    small = x.dim() == 0 or x.shape[0] < 2
+    ctx.refuse("needs a batch of at least 2 samples along dimension 0" if small else None)
     model, _ = ctx.fresh()
     a, b = _two_forwards(ctx, model, batch, _perturb_first, train=True)
     if a.shape[0] != x.shape[0]:
@@ -156,12 +156,12 @@ def check_causal_leak(ctx: Context) -> list[Finding]:
         raise CannotRun('needs task="lm" (a language model whose position t sees tokens <= t)')
     batch = ctx.batches[0]
     x, _ = ctx.main_input(batch)
-    if x.is_floating_point() or x.dim() != 2 or x.shape[1] < 3:
-        raise CannotRun(f"needs token ids of shape (batch, time>=3), got {tuple(x.shape)}")
+    shaped = not x.is_floating_point() and x.dim() == 2 and x.shape[1] >= 3
+    ctx.refuse(None if shaped else f"needs token ids of shape (batch, time>=3), got {x.shape}")
     t = x.shape[1] // 2
     hi, lo = x.max(), x.min()
-    if bool(hi == lo):
-        raise CannotRun("every token of the batch is the same: nothing to change")
+    same = bool(hi == lo)
+    ctx.refuse("every token of the batch is the same: nothing to change" if same else None)
 
     def change(ids: torch.Tensor) -> torch.Tensor:
         y = ids.clone()

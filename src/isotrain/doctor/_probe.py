@@ -79,6 +79,7 @@ def probe(ctx: Context) -> Probe:
             for h in handles:
                 h.remove()
     audit.restore()
+    error = _agreed(ctx, error)
     changed = {n for n, p in params.items() if not torch.equal(p.detach(), before[n])}
     value = as_loss(loss)
     loss_value = float(value.detach().float().mean()) if value is not None else None
@@ -89,6 +90,15 @@ def probe(ctx: Context) -> Probe:
                    grads.reached - grads.nonzero, lost, finite)  # fmt: skip
     ctx.cache["probe"] = result
     return result
+
+
+def _agreed(ctx: Context, error: str | None) -> str | None:
+    """Under a process group, a step that raised on any rank raised on all of them: the checks
+    that need it then stand down together."""
+    if ctx.ranks is None:
+        return error
+    errors = ctx.ranks.gather("the outcome of the probe step", error)
+    return error or next((f"{e} (on rank {r})" for r, e in enumerate(errors) if e), None)
 
 
 def probe_ok(ctx: Context) -> Probe:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from isotrain._torch_private import scaler_pending
 from isotrain.contexts import eval_mode, rng_isolated
+from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
 from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
@@ -95,7 +96,9 @@ class GuardCallback(pl.Callback):
     among the skips since the last logged step, 0 for none) at Lightning's log steps.
     ``checkpointing`` (a policy such as ``"full"``) and ``compile_blocks`` (True, or
     compile_model's keywords) are applied to the module at fit start: NOTE [patterns in
-    trainers].
+    trainers]. ``monitor_every=N`` adds an ``isotrain.doctor.Monitor`` of the first optimizer,
+    checked every N optimizer steps (``callback.monitor``; its findings are logged; under DDP
+    the replicas are compared).
 
     Example::
 
@@ -111,9 +114,19 @@ class GuardCallback(pl.Callback):
         isolate_eval: bool = True,
         checkpointing: CheckpointingOption = None,
         compile_blocks: CompileOption = False,
+        monitor_every: int = 0,
         **guard_options: Any,
     ) -> None:
         self._patterns = Patterns(checkpointing, compile_blocks, "GuardCallback")
+        if (
+            not isinstance(monitor_every, int)
+            or isinstance(monitor_every, bool)
+            or monitor_every < 0
+        ):
+            raise ValueError(
+                f"monitor_every must be 0 (off) or a number of steps, got {monitor_every!r}"
+            )
+        self.monitor_every, self.monitor = monitor_every, cast(Monitor | None, None)
         if "scaler" in guard_options:
             raise ValueError(
                 "GuardCallback takes no scaler: with precision='16-mixed' it uses the Trainer's"
@@ -148,6 +161,11 @@ class GuardCallback(pl.Callback):
                 config.scheduler = guarded.skip_aware(config.scheduler)
         if self.isolate_eval:
             self._isolate_validation(trainer, pl_module)
+        if self.monitor_every and trainer.strategy.optimizers:
+            first = trainer.strategy.optimizers[0]
+            inner = first.optimizer if isinstance(first, GuardedOptimizer) else first
+            monitor = self.monitor = Monitor(pl_module, inner, every=self.monitor_every)
+            self._undo.append(monitor.close)  # its findings stay readable
 
     def _take_clipping(self, trainer: pl.Trainer) -> float | None:
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm
@@ -220,6 +238,8 @@ class GuardCallback(pl.Callback):
         if steps == self._steps:
             return  # an accumulation micro-batch: no optimizer step yet
         self._steps = steps
+        if self.monitor is not None:
+            self.monitor.after_step()
         # sync: one host read per step on an accelerator, the one the skip-aware LR makes
         skipped = [g for g in guards if not g.applied]
         self._skipped += len(skipped)

@@ -9,12 +9,13 @@ hooks in] says where and why.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from isotrain.contexts import eval_mode, rng_isolated
+from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer, SkipReason
 from isotrain.integrations._extra import missing_extra
 from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
@@ -50,6 +51,34 @@ class _LogBaseline(TrainerCallback):
         self.trainer._logged_skips = self.trainer._skip_counts()
 
 
+class _Monitoring(TrainerCallback):
+    """`monitor_every`: the Monitor's after_step() after each optimizer step; closed at the end."""
+
+    def __init__(self, trainer: GuardedTrainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.monitor is not None:
+            self.trainer.monitor.after_step()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer.monitor is not None:
+            self.trainer.monitor.close()  # its findings stay readable
+
+
+def _period(every: Any) -> int:
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ValueError(f"monitor_every must be 0 (off) or a number of steps, got {every!r}")
+    return every
+
+
+def _torch_optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside accelerate's and the guard's wrappers."""
+    while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
 class GuardedTrainer(Trainer):
     """``transformers.Trainer`` whose optimizer steps are guarded and whose evaluation is isolated.
 
@@ -58,7 +87,9 @@ class GuardedTrainer(Trainer):
     log) and ``skip_reason`` (their ``SkipReason`` names, ``"OK"`` for none). ``checkpointing``
     (a policy such as ``"full"``) and ``compile_blocks`` (True, or compile_model's keywords)
     are applied to the model here: NOTE [patterns in trainers]. Combine with your own
-    subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``.
+    subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``. ``monitor_every=N`` adds an
+    ``isotrain.doctor.Monitor`` checked every N optimizer steps (``trainer.monitor``; its
+    findings are logged, and under torchrun the replicas are compared across ranks).
 
     Example::
 
@@ -74,6 +105,7 @@ class GuardedTrainer(Trainer):
         isolate_eval: bool = True,
         checkpointing: CheckpointingOption = None,
         compile_blocks: CompileOption = False,
+        monitor_every: int = 0,
         **kwargs: Any,
     ) -> None:
         missing = [m for m in _OVERRIDDEN if not hasattr(Trainer, m)]
@@ -102,6 +134,9 @@ class GuardedTrainer(Trainer):
         self.guard_options, self.isolate_eval = options, isolate_eval
         self._logged_skips = [0] * len(SkipReason)
         self.add_callback(_LogBaseline(self))
+        self.monitor_every, self.monitor = _period(monitor_every), cast(Monitor | None, None)
+        if monitor_every:
+            self.add_callback(_Monitoring(self))
 
     def _apply_patterns(self, patterns: Patterns) -> None:
         """NOTE [patterns in trainers]; refuses what would apply a pattern twice or not at all."""
@@ -146,6 +181,9 @@ class GuardedTrainer(Trainer):
         plateau = isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau)
         if guarded is not None and not plateau and not hasattr(sched, "_guarded"):
             self.lr_scheduler = guarded.skip_aware(sched)
+        if self.monitor_every and self.optimizer is not None and self.model is not None:
+            opt = _torch_optimizer(self.optimizer)
+            self.monitor = Monitor(self.model, opt, every=self.monitor_every)  # one per train()
         return self.lr_scheduler
 
     def training_step(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:

@@ -30,6 +30,7 @@ __all__ = [
     "CompileConfig",
     "ConfigError",
     "DataConfig",
+    "DoctorConfig",
     "GuardConfig",
     "ModelConfig",
     "OptimConfig",
@@ -148,7 +149,7 @@ class QuantConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class SnapshotConfig:
-    """Snapshots (resumable training state) in the run directory."""
+    """Resumable snapshots of the whole training state."""
 
     every: int | None = None
     """Write a snapshot every N steps (None: at every evaluation; 0: only at the end)."""
@@ -166,6 +167,18 @@ class ParallelConfig:
     mode: Literal["none", "ddp", "fsdp"] = "none"
     """none (one process), ddp, or fsdp (FSDP2); ddp/fsdp run in several processes:
     --nproc-per-node N on one machine, or torchrun -m isotrain train."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorConfig:
+    """The doctor during the run (isotrain.doctor). Under torchrun the ranks are compared
+    before the first step; a Monitor checks cheap invariants every N steps."""
+
+    every: int = 10
+    """Check every N steps that the replicas agree across ranks, the update was applied alike,
+    parameters still change, nothing is NaN and the learning rate is on its schedule (0: off;
+    under 0.1% of a tiny-preset step at 10, benchmarks/bench_monitor.py). A divergence stops
+    the run: its newest snapshot (checked at its step) is the last consistent one."""
 
 
 LoggerName = Literal["jsonl", "csv", "tensorboard", "wandb"]
@@ -197,6 +210,7 @@ class TrainConfig:
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
     steps: int = 1000
     """Optimizer steps to train for."""
     grad_accum: int = 1
@@ -335,6 +349,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool]
     "precision_probe_seconds": (_positive, "the probe needs a positive number of seconds"),
     "optim.grad_clip": (_at_least_0, "use 0 (off) or a positive norm"),
     "snapshot.keep": (lambda v: v >= 1, "keep at least 1"),
+    "doctor.every": (_at_least_0, "use 0 (off) or a positive number of steps"),
     "snapshot.every": (lambda v: v is None or v >= 0, "use None (at every evaluation), 0 or more"),
     "quant.bits": (lambda v: 0 <= v <= 16, "use 0 (off) or 1..16"),
     "guard.spike_window": (lambda v: v >= 2, "use 2 or more"),

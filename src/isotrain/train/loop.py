@@ -23,6 +23,7 @@ from isotrain.autograd import bf16_linear_layers, quantize_linear_layers
 from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
+from isotrain.train import watch
 from isotrain.train.config import ConfigError, TrainConfig, validate
 from isotrain.train.data import batches as data_mod
 from isotrain.train.environment import gib, memory_for, require_memory
@@ -47,7 +48,6 @@ from isotrain.train.rundir.resume import (
     StopFlag,
     StopNow,
     maybe_resume,
-    save_run,
     stop_on_signals,
 )
 from isotrain.train.rundir.snapshot import find_snapshots
@@ -258,7 +258,7 @@ def start(
         )
     if maybe_resume(run, required=cfg.resume is not None):
         run.updater.mark_good(run.state.step)  # rollback returns here, never to the fresh init
-    return run
+    return watch.start(run, lock)  # its monitor; under torchrun the ranks compared first
 
 
 def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
@@ -295,7 +295,7 @@ def train(cfg: TrainConfig, *, origin: Origin = None) -> TrainState:
                 reporter.stop()  # the bar ends here; what follows prints below it
                 if stopped:
                     _write_skips(run, metrics)
-                    save_run(run)
+                    watch.save(run)
                     raise TrainingStopped(stop.signal or 0, st.step, cfg.out_dir)
                 _evaluate_and_record(run, reporter, metrics, baseline)
                 _finish(run, reporter, metrics, baseline, train_time, stop)
@@ -357,9 +357,9 @@ def _loop(
                     _evaluate_and_record(run, reporter, metrics, baseline)
                 if snapshot_due:
                     _write_skips(run, metrics)  # a crash after the snapshot keeps them
-                    save_run(run)
+                    watch.save(run)
                     clock.reset()
-        outcome = train_step(run)
+        outcome = watch.after_step(run, train_step(run))  # Diverged if the ranks disagree
         if not stop and launcher.gone():  # torchrun's agent died: stop as for SIGTERM
             log.warning("the launcher (PID %s) exited: stopping with a snapshot", launcher.parent)
             stop.signal = signal.SIGTERM
@@ -445,7 +445,7 @@ def _finish(
 ) -> None:
     """Final snapshot, the summary, then a sample (a signal during it skips the rest of it)."""
     cfg, st = run.cfg, run.state
-    save_run(run)
+    watch.save(run)
     summary = _summary(run, baseline, train_time)
     metrics.write("summary", **summary)
     if cfg.sample_tokens and not stop:

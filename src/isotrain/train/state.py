@@ -132,3 +132,4 @@ class Run:
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # text <-> ids for samples
     precision_note: str = ""  # the precision and why (auto's choice and its measured ratio)
     eval_step: int | None = None  # the step state.last_val was measured at (None: not yet)
+    monitor: Any = None  # the run's isotrain.doctor.Monitor (None: --doctor.every 0)

@@ -2,7 +2,9 @@
 
 FUNCTION (default `doctor_setup`) returns a dict of `isotrain.doctor.examine` arguments; the
 table goes to stdout, `--json OUT` writes the diagnosis as JSON, and the exit status is 1
-when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input.
+when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input. Under torchrun
+(`torchrun --nproc-per-node N -m isotrain doctor FILE.py`) every rank examines, the ranks are
+compared, and rank 0 prints.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import importlib.util
 import inspect
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -30,7 +33,6 @@ if TYPE_CHECKING:  # torch and what imports it: only once the arguments parsed (
     from torch import nn
 
     from isotrain.doctor import Diagnosis
-    from isotrain.train.state import Run
 
 __all__ = ["cmd_doctor", "trainer_setup"]
 
@@ -123,40 +125,13 @@ def _load_setup(target: str) -> dict[str, Any]:
     return made
 
 
-@dataclass(frozen=True)
-class _OneBatch:
-    """Stands in for `Batches` (train_step calls only `get`): every training micro-batch is
-    the one the doctor hands over."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def get(self, split: str, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return self.x, self.y, self.y.numel()
-
-
-def _run_on(run: Run, model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> Run:
-    """The run's config around the doctor's copy and one batch, at the peak learning rate, with
-    an update rule of its own (the guard's state belongs to the copy)."""
-    from isotrain.train.model.gpt import GPT
-    from isotrain.train.state import Batches, TrainState
-    from isotrain.train.update.updater import build_updater
-
-    updater = build_updater(run.cfg, model, optimizer, run.dist)
-    state = TrainState(step=run.cfg.optim.warmup_steps)
-    one = cast(Batches, _OneBatch(*batch))
-    return dataclasses.replace(
-        run, batches=one, model=cast(GPT, model), train_model=model, optimizer=optimizer,
-        updater=updater, state=state,
-    )  # fmt: skip
-
-
 def trainer_setup(preset: str = "tiny", *, out_dir: str, batch_size: int = 4) -> dict[str, Any]:
     """examine's arguments for the reference trainer's own step and evaluation, on batches of
     `batch_size` samples (the doctor measures behaviour, not throughput)."""
     from isotrain.train.loop import setup
     from isotrain.train.model.gpt import GPT
     from isotrain.train.step import evaluate, train_step
+    from isotrain.train.watch import run_on
 
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r} is not a preset; try one of {', '.join(PRESETS)}")
@@ -167,7 +142,7 @@ def trainer_setup(preset: str = "tiny", *, out_dir: str, batch_size: int = 4) ->
     run = setup(cfg)
 
     def step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
-        outcome = train_step(_run_on(run, model, optimizer, batch))
+        outcome = train_step(run_on(run, model, optimizer, batch))
         return outcome["loss"] if isinstance(outcome, dict) else outcome.loss
 
     def eval_fn(model: nn.Module, batches: Any) -> float:
@@ -205,13 +180,31 @@ def cmd_doctor(argv: Sequence[str]) -> int:
     if unknown:
         raise ConfigError(f"--only {' '.join(unknown)}: no such kind; kinds: {', '.join(KINDS)}")
     with _setup_of(a) as kwargs:
+        main = _in_group()
         checks = list(a.only) if a.only else a.checks or kwargs.get("checks", "all")
         kwargs = {**kwargs, "checks": checks}
         try:
             diagnosis: Diagnosis = examine(**kwargs)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"examine refused the setup: {e}") from None
-    sys.stdout.write(diagnosis.table(color=sys.stdout.isatty()) + "\n")
-    if a.json is not None:
-        Path(a.json).write_text(json.dumps(diagnosis.to_json(), indent=2) + "\n")
+    if main:  # under torchrun every rank has the same merged diagnosis: rank 0 prints it
+        sys.stdout.write(diagnosis.table(color=sys.stdout.isatty()) + "\n")
+        if a.json is not None:
+            Path(a.json).write_text(json.dumps(diagnosis.to_json(), indent=2) + "\n")
     return 0 if diagnosis.ok else 1
+
+
+def _in_group() -> bool:
+    """Whether this process prints: rank 0 of the setup's process group, or a lone process.
+    Under torchrun the setup must have joined the group (examine then compares the ranks)."""
+    import torch.distributed as dist
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    joined = dist.is_available() and dist.is_initialized()
+    if world.isdigit() and int(world) > 1 and not joined:
+        raise ConfigError(
+            f"torchrun started {world} processes, but the setup joined no process group: call "
+            "torch.distributed.init_process_group() in it (gloo on CPUs, nccl on GPUs) before "
+            "wrapping the model"
+        )
+    return not joined or dist.get_rank() == 0

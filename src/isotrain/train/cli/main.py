@@ -184,6 +184,7 @@ def cmd_train(argv: Sequence[str]) -> int:
     from isotrain.train.loop import TrainingStopped, train  # torch: once the flags are good
     from isotrain.train.report.progress import where_and_next
     from isotrain.train.rundir.resume import RunComplete, changes_in_words, other_run
+    from isotrain.train.watch import Diverged
 
     if nproc is not None and cfg.parallel.mode == "none":
         raise ConfigError(
@@ -206,6 +207,9 @@ def cmd_train(argv: Sequence[str]) -> int:
         if _is_rank0():
             sys.stderr.write(f"isotrain train: {e}\n")
         return 128 + e.signum
+    except Diverged as e:  # every rank's monitor saw it: rank 0 says it
+        _say(f"isotrain train: error: {e}", everywhere=False)
+        return 1
     except RunComplete as e:
         if _is_rank0():
             lines = where_and_next(e.run_dir, cfg.report.loggers)
