@@ -177,3 +177,22 @@ def test_the_state_a_step_keeps_in_globals_is_put_back_between_checks_and_at_the
     assert zoo_reports.RUNNING["h"] is h and not h.any()
     examine(**zoo.mlp_setup(step=zoo.step_with_item), checks=["host_sync", "cannot_overfit"])
     assert zoo.LOGGED == [1.0]  # the step appended dozens of losses; the list is as it was
+
+
+def test_a_sync_inside_a_torch_module_is_torchs_not_the_users() -> None:
+    class AdaptiveHead(torch.nn.Module):  # its forward selects rows per cluster: nonzero()
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 16)
+            self.head = torch.nn.AdaptiveLogSoftmaxWithLoss(16, 10, cutoffs=[4])
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return self.head(self.fc(x), y).loss
+
+    model = zoo.seeded(AdaptiveHead)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))] * 2
+    d = examine(model, zoo.adamw(model), batches, loss_fn=lambda m, b: m(*b),
+                checks=["host_sync"])  # fmt: skip
+    assert d.of("host_sync") and {f.severity for f in d.findings} == {"info"}, d
+    assert all("inside an installed library" in f.evidence for f in d.findings)

@@ -29,6 +29,11 @@ _STDLIB = os.path.dirname(contextlib.__file__)
 _DOCTOR = os.path.dirname(os.path.abspath(__file__))
 _OPTIM = os.path.join(_TORCH, "optim")
 _MODULE_CALL = os.path.join(_TORCH, "nn", "modules", "module.py")
+# frames through which torch runs code of its own: a module's forward, autograd's engine
+_TORCH_CALLS = {
+    (_MODULE_CALL, "_call_impl"),
+    (os.path.join(_TORCH, "autograd", "graph.py"), "_engine_run_backward"),
+}
 
 # op -> what the user wrote to cause it
 _SYNC_OPS: dict[Any, str] = {
@@ -70,16 +75,20 @@ class Site:
 
 
 def user_site() -> Site:
-    """The caller's `file:line` outside torch, the standard library and this package."""
+    """The caller's `file:line` outside torch, the standard library and this package; an op
+    that torch's own code runs on the way (a torch module's forward, such as DDP's, or a
+    backward hook torch registered) counts as inside a library."""
     frame = sys._getframe(1)
-    in_optim = False
+    in_optim = in_torch = False
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_OPTIM):
             in_optim = True
+        if (path, frame.f_code.co_name) in _TORCH_CALLS:
+            in_torch = True
         if not (path.startswith((_TORCH, _STDLIB, _DOCTOR)) or path.startswith("<frozen")):
             lib = "site-packages" in path or "dist-packages" in path
-            lib = lib and f"{os.sep}isotrain{os.sep}" not in path
+            lib = in_torch or (lib and f"{os.sep}isotrain{os.sep}" not in path)
             line = linecache.getline(path, frame.f_lineno)
             return Site(
                 f"{_short(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
