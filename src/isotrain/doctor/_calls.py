@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from isotrain._torch_private import DispatchMode, tree_leaves
+from isotrain.doctor._watch import short_path
 
 __all__ = ["CallWatch", "LossCall", "call_site", "watching_calls"]
 
@@ -62,21 +63,13 @@ def call_site() -> tuple[str, str]:
         if inner is not None and path.startswith(_DOCTOR):
             return inner, inner  # above here is the doctor, not the user's step
         if not (path.startswith((_TORCH, _STDLIB, _DOCTOR)) or path.startswith("<frozen")):
-            where = f"{_short(path)}:{frame.f_lineno}"
+            where = f"{short_path(path)}:{frame.f_lineno}"
             inner = inner or where
             library = "site-packages" in path or "dist-packages" in path
             if not library or f"{os.sep}isotrain{os.sep}" in path:
                 return where, inner
         frame = frame.f_back
     return inner or "<torch>", inner or "<torch>"
-
-
-def _short(path: str) -> str:
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return rel if not rel.startswith("..") else path
 
 
 @dataclass

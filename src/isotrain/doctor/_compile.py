@@ -70,13 +70,7 @@ def _block_inputs(ctx: Context, model: nn.Module) -> list[tuple[str, nn.Module, 
         )
         for name, b in first.values()
     ]
-    args, kwargs = ctx.split(ctx.batches[0])
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    ctx.forward_once(model, handles)
     return [(n, b, seen[n]) for n, b in first.values() if n in seen]
 
 

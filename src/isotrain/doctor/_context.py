@@ -144,6 +144,16 @@ class Context:
             "doctor feeds a tensor, the first tensor of a tuple, or a dict's non-label entries"
         )
 
+    def forward_once(self, model: nn.Module, handles: list[Any]) -> None:
+        """One no-grad forward of the first batch (hooks watching it), then `handles` removed."""
+        args, kwargs = self.split(self.batches[0])
+        try:
+            with torch.no_grad():
+                model(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+
     def main_input(self, batch: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
         """The batch's main input tensor and a function that rebuilds the batch around another."""
         args, kwargs = self.split(batch)

@@ -196,11 +196,5 @@ def _bias_before_norm(ctx: Context, model: nn.Module) -> dict[str, str]:
                     found[made[id(a[0])][0]] = label
 
             handles.append(m.register_forward_pre_hook(fed))
-    args, kwargs = ctx.split(ctx.batches[0])
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
+    ctx.forward_once(model, handles)
     return found

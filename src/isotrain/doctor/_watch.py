@@ -21,7 +21,7 @@ import torch
 
 from isotrain._torch_private import DispatchMode, to_target_device, tree_leaves
 
-__all__ = ["OpWatch", "Site", "bad_values", "user_site", "value_ranges", "watching"]
+__all__ = ["OpWatch", "Site", "bad_values", "short_path", "user_site", "value_ranges", "watching"]
 
 aten = torch.ops.aten
 _TORCH = os.path.dirname(torch.__file__)
@@ -91,7 +91,7 @@ def user_site() -> Site:
             lib = in_torch or (lib and f"{os.sep}isotrain{os.sep}" not in path)
             line = linecache.getline(path, frame.f_lineno)
             return Site(
-                f"{_short(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
+                f"{short_path(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
                 bool(_NAMES_HOST.search(line)), _in_module_call(frame),
             )  # fmt: skip
         frame = frame.f_back  # type: ignore[assignment]
@@ -107,7 +107,7 @@ def _in_module_call(frame: Any) -> bool:
     return False
 
 
-def _short(path: str) -> str:
+def short_path(path: str) -> str:
     """A path as the user knows it: relative to the working directory when inside it."""
     try:
         rel = os.path.relpath(path)
