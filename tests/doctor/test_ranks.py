@@ -13,10 +13,8 @@ import hashlib
 import inspect
 import io
 import json
-import os
 import random
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tests.doctor import zoo, zoo_ranks
+from tests.worlds import ENV, free_port, join_env
 
 from isotrain.doctor import Monitor, examine
 from isotrain.doctor import _ranks as ranks_mod
@@ -169,11 +168,7 @@ def _readme(out: Path) -> dict[str, Any]:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
+    join_env(rank, WORLD, port)
     dist.init_process_group("gloo")
     try:
         res, times = {}, {}
@@ -198,13 +193,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with pytest.MonkeyPatch.context() as mpatch:
-        for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for v in ENV:
             mpatch.delenv(v, raising=False)
-        mp.spawn(_worker, args=(port, str(out)), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -14,12 +14,12 @@ import math
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from tests.worlds import ENV, free_port, join_env
 from torch import nn
 
 from isotrain.checkpointing import apply_activation_checkpointing
@@ -47,13 +47,6 @@ from isotrain.train.rundir.sharded import (
 from isotrain.train.rundir.snapshot import SnapshotError, load_snapshot
 
 WORLD = 2
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _smoke(**kw) -> C.TrainConfig:
@@ -125,7 +118,7 @@ def test_parallel_mode_needs_torchrun_and_torchrun_needs_a_mode(clean_env) -> No
 
 
 def _world_of_one(monkeypatch) -> None:
-    for v, value in zip(ENV, ("0", "1", "0", "127.0.0.1", str(_free_port()))):
+    for v, value in zip(ENV, ("0", "1", "0", "127.0.0.1", str(free_port()))):
         monkeypatch.setenv(v, value)
 
 
@@ -458,11 +451,7 @@ def _check_doctor(info: DistInfo, out_dir: Path) -> dict:
 
 
 def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    torch.set_num_threads(1)
+    join_env(rank, WORLD, port)
     res: dict = {}
     with process_group_scope():
         info = init_distributed("ddp", "cpu")
@@ -495,7 +484,7 @@ def world(tmp_path_factory) -> tuple[list[dict], Path]:
             mpatch.setenv("OMP_NUM_THREADS", "1")
             for v in ENV:
                 mpatch.delenv(v, raising=False)
-            mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+            mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     finally:
         os.close(lock)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)], out

@@ -9,10 +9,10 @@ import dataclasses
 import json
 import pickle
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
+from tests.worlds import ENV, free_port
 
 from isotrain.train import config as C
 from isotrain.train.cli.main import main
@@ -25,7 +25,6 @@ from isotrain.train.rundir.snapshot import load_snapshot
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol:UserWarning")
 
 SMOKE = ["--preset", "smoke", "--data.max-bytes", "60000", "--sample-tokens", "0"]
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class Evil:
@@ -68,10 +67,7 @@ def _plant(run: Path, target: str, marker: Path) -> None:
 
 
 def _world_of_one(monkeypatch) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for v, value in zip(ENV, ("0", "1", "0", "127.0.0.1", str(port))):
+    for v, value in zip(ENV, ("0", "1", "0", "127.0.0.1", str(free_port()))):
         monkeypatch.setenv(v, value)
 
 
