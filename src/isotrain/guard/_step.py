@@ -132,14 +132,7 @@ class StepGuard(GuardRecord):
         self.skip_mode = self._resolve_mode(skip_mode, dev)
         self.host = self.skip_mode == "host"
         self.buffers = self._buffer_guard(model, protect_buffers)
-        self.spikes: SpikeDetector | HostSpikeDetector | None = None
-        if spike_k is not None:
-            window: dict[str, Any] = {
-                "k": spike_k, "window": spike_window, "min_samples": spike_min_samples
-            }  # fmt: skip
-            self.spikes = (
-                HostSpikeDetector(**window) if self.host else SpikeDetector(**window, device=dev)
-            )
+        self.spikes = self._spike_detector(spike_k, spike_window, spike_min_samples)
         self.steps = 0  # attempted steps (a host int: it advances every call)
         self._world_size: int | None = None
         self._init_counters(dev)
@@ -158,6 +151,15 @@ class StepGuard(GuardRecord):
         self.sync_check: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
+
+    def _spike_detector(
+        self, k: float | None, window: int, min_samples: int
+    ) -> SpikeDetector | HostSpikeDetector | None:
+        """The loss-spike window for this guard's mode (None when spike_k is None)."""
+        if k is None:
+            return None
+        kw: dict[str, Any] = {"k": k, "window": window, "min_samples": min_samples}
+        return HostSpikeDetector(**kw) if self.host else SpikeDetector(**kw, device=self.device)
 
     def _init_counters(self, dev: torch.device) -> None:
         # Counters [applied, *by_reason, consecutive] and last [reason, norm, loss, scale]:
