@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import random
 import re
@@ -47,6 +48,7 @@ def _fingerprint(setup: dict[str, Any]) -> str:
     for state in opt.state.values():
         tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
     for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t  # an FSDP2 shard: this rank's part
         h.update(b"none" if t is None else t.detach().reshape(-1).view(torch.uint8).numpy())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     h.update(repr(groups).encode())
@@ -73,6 +75,24 @@ def _correct_setup_under_all_checks() -> dict[str, Any]:
         "all_kinds": d.checks,
         "unchanged": before == _fingerprint(setup) and torch.equal(rng, torch.get_rng_state()),
     }
+
+
+def _correct_fsdp2_setup() -> dict[str, Any]:
+    """The same model sharded with FSDP2 (each Linear, then the root) mid-training."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = zoo.seeded(zoo.MLP)
+    for layer in (model.fc1, model.fc2):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    batches = list(itertools.islice(zoo_ranks.loader(), 2))
+    setup = dict(model=model, optimizer=opt, batches=batches, step=zoo_ranks.step)
+    zoo_ranks.step(model, opt, batches[0])
+    before = _fingerprint(setup)
+    d = examine(**setup, checks="fast", task="classification", rank_timeout=30)
+    return {"fsdp_findings": _findings(d), "fsdp_kinds": d.checks,
+            "fsdp_unchanged": before == _fingerprint(setup)}  # fmt: skip
 
 
 def _silent_rank(rank: int) -> dict[str, Any]:
@@ -174,6 +194,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         res, times = {}, {}
         for name, part in (
             ("cases", _cases), ("all", _correct_setup_under_all_checks),
+            ("fsdp", _correct_fsdp2_setup),
             ("silent", lambda: _silent_rank(rank)),
             ("readme", lambda: _readme(Path(out, f"readme{rank}"))),
             ("faulty", lambda: {"faulty": _monitored(rank, faulty=True)}),
@@ -244,6 +265,14 @@ def test_a_correct_ddp_setup_has_no_error_or_warning_and_stays_bitwise_unchanged
         assert _loud(res["all_findings"]) == [], res["all_findings"]
         assert res["unchanged"]
         assert set(ACROSS) <= set(res["all_kinds"])
+
+
+@pytest.mark.slow
+def test_a_correct_fsdp2_setup_has_no_error_or_warning_and_stays_bitwise_unchanged(world) -> None:
+    for res in world:
+        assert _loud(res["fsdp_findings"]) == [], res["fsdp_findings"]
+        assert res["fsdp_unchanged"]
+        assert set(ACROSS) <= set(res["fsdp_kinds"])
 
 
 @pytest.mark.slow

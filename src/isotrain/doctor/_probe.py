@@ -15,7 +15,7 @@ import torch
 
 from isotrain.contexts import StateAudit
 from isotrain.doctor._context import CannotRun, Context, Probe, as_loss, params_of
-from isotrain.doctor._watch import OpWatch, watching
+from isotrain.doctor._watch import OpWatch, local, watching
 
 __all__ = ["probe", "probe_ok"]
 
@@ -34,7 +34,7 @@ class _Grads:
         def hook(p: torch.Tensor) -> None:
             self.reached.add(name)
             with self.watch.pause():
-                if p.grad is not None and bool(p.grad.count_nonzero()):
+                if p.grad is not None and bool(local(p.grad).count_nonzero()):
                     self.nonzero.add(name)
 
         return hook
@@ -44,7 +44,7 @@ class _Grads:
             with self.watch.pause():
                 for group in opt.param_groups:
                     for p in group["params"]:
-                        g = p.grad
+                        g = None if p.grad is None else local(p.grad)
                         nz = g is not None and bool(g.count_nonzero())
                         self.at_update[names.get(id(p), "?")] = nz
                         self.finite = self.finite and (g is None or bool(g.isfinite().all()))

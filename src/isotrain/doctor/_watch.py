@@ -21,7 +21,10 @@ import torch
 
 from isotrain._torch_private import DispatchMode, to_target_device, tree_leaves
 
-__all__ = ["OpWatch", "Site", "bad_values", "short_path", "user_site", "value_ranges", "watching"]
+__all__ = [
+    "OpWatch", "Site", "bad_values", "local", "short_path", "user_site", "value_ranges",
+    "watching",
+]  # fmt: skip
 
 aten = torch.ops.aten
 _TORCH = os.path.dirname(torch.__file__)
@@ -159,11 +162,18 @@ class OpWatch:
             self.forward_syncs.add(site.where)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (an FSDP2 DTensor), the tensor itself else: what
+    the doctor reads of values needs no collective (and DTensor has no host read)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def value_ranges(args: Any) -> str:
     """min..max of each floating tensor among `args`, for the evidence."""
     out = []
-    for t in tree_leaves(args):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel():
+    for t in map(local, (t for t in tree_leaves(args) if isinstance(t, torch.Tensor))):
+        if t.is_floating_point() and t.numel():
             finite = t[torch.isfinite(t)]
             lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 0.0)
             nan = int(torch.isnan(t).sum().item())
@@ -213,10 +223,10 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
             watch.autocast.add(torch.get_autocast_dtype(device))
-    x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    x = local(args[0]) if args and isinstance(args[0], torch.Tensor) else None
     if x is not None and x.is_floating_point() and x.numel():
         _risky_input(watch, func, x)
-    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    outs = [local(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     for t in outs:
         if t.dtype in (torch.float16, torch.bfloat16) and t.numel():
             big, top = float(t.abs().max().item()), torch.finfo(t.dtype).max
@@ -227,7 +237,7 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
                     f"within 64x of its largest finite value {top:.3g}",
                 )
     if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
-        floats = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        floats = [local(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         if not any(t.is_floating_point() and bad_values(t) for t in floats):
             name = str(func.overloadpacket.__name__)  # this op made it: later ones carry it
             watch.nonfinite = (name, user_site().where, value_ranges(args))
