@@ -238,7 +238,7 @@ def test_each_bug_is_found_and_its_twin_is_clean(world: list[dict[str, Any]]) ->
 @pytest.mark.slow
 def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> None:
     cases = [c["bug"][0] for c in world[0]["cases"]]
-    replaced, silent, moved, some_calls, clipped, data, bincount, alone = cases
+    replaced, silent, moved, some_calls, clipped, data, buffers, bincount, alone = cases
     assert "they were replaced after DDP(model) was built" in silent["evidence"]
     assert replaced["where"] == "fc1.weight, fc1.bias, fc2.weight (+1 more)"
     assert "(ranks 0 and 1 differ; max |difference| " in replaced["evidence"]
@@ -249,6 +249,9 @@ def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> Non
     assert clipped["evidence"].startswith("after step 1, 4 of 4 replicated parameters differ")
     assert "equal after backward but differed at optimizer.step()" in clipped["evidence"]
     assert data["evidence"].startswith("ranks 0, 1 got byte-identical batches[0], batches[1]")
+    assert buffers["where"] == "proj"  # BatchNorm's statistics differ by rank by design
+    assert buffers["evidence"].startswith("after the steps, 1 of 1 unwritten buffers differ")
+    assert "broadcast_buffers=False" in buffers["evidence"]
     lines, start = inspect.getsourcelines(zoo_ranks.counting)
     line = start + next(i for i, s in enumerate(lines) if "dist.all_reduce(counts)" in s)
     assert bincount["where"].endswith(f"zoo_ranks.py:{line}")

@@ -133,6 +133,31 @@ def logging_loss(*, every_rank: bool) -> Any:
     return step_log
 
 
+class Projected(nn.Module):
+    """The MLP behind a fixed random projection (a buffer no step writes) and a BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(8, 8))
+        self.norm, self.mlp = nn.BatchNorm1d(8), zoo.MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.norm(x @ self.proj))
+
+
+def projected(*, broadcast_buffers: bool) -> dict[str, Any]:
+    """BUG with broadcast_buffers=False: each rank seeds with its rank before building the
+    model (for its own augmentations), and DDP broadcasts parameters but, so configured, not
+    buffers: every rank projects its inputs differently. BatchNorm's statistics differ by
+    rank either way between DDP's broadcasts: by design, not a finding."""
+    torch.manual_seed(dist.get_rank())
+    model = Projected()
+    ddp = DDP(model, broadcast_buffers=broadcast_buffers)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.0)
+    batches = list(itertools.islice(loader(), 2))
+    return dict(model=ddp, optimizer=opt, batches=batches, step=step)
+
+
 # kind, the bug as users write it, its correct twin
 CASES: list[tuple[str, Any, Any]] = [
     ("gradient_not_synchronized", lambda: setup(wrap=new_head), setup),
@@ -143,6 +168,8 @@ CASES: list[tuple[str, Any, Any]] = [
     ("replica_divergence", lambda: setup(train_step=clipping(every_rank=False)),
      lambda: setup(train_step=clipping(every_rank=True))),
     ("same_data_on_ranks", lambda: setup(sampler=False), setup),
+    ("replica_divergence", lambda: projected(broadcast_buffers=False),
+     lambda: projected(broadcast_buffers=True)),
     ("collective_mismatch", lambda: setup(train_step=counting(0)),
      lambda: setup(train_step=counting(4))),
     ("collective_mismatch", lambda: setup(train_step=logging_loss(every_rank=False)),

@@ -52,8 +52,8 @@ KINDS: dict[str, str] = {
     "lr_collapse": "the learning rate falls more than 100x within the examined steps",
     "dataloader_worker_seed": "DataLoader workers share a random state: augmentations repeat",
     "doctor_error": "a check raised: its first line, so the doctor itself never crashes",
-    "replica_divergence": "a replicated parameter differs across data-parallel ranks (which "
-    "parameter, which ranks, the largest difference)",
+    "replica_divergence": "a replicated parameter, or a buffer no step writes, differs across "
+    "data-parallel ranks (which one, which ranks, the largest difference)",
     "gradient_not_synchronized": "after backward, a data-parallel model's gradients differ "
     "across ranks (DDP hooks on replaced parameters, the wrapper bypassed, no_sync left on)",
     "same_data_on_ranks": "ranks got byte-identical batches (no DistributedSampler, data not "

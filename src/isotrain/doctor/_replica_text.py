@@ -92,6 +92,14 @@ _STAGE = {
         "do the same on every rank between backward and optimizer.step(): clip with "
         "clip_grad_norm_ on every rank, never under a rank condition",
     ),
+    "buffers": (
+        "after the steps",
+        "no step writes these buffers (constants the model reads), yet the ranks hold different "
+        "ones: built from a per-rank seed or loaded on some ranks, and DistributedDataParallel"
+        "(broadcast_buffers=False) never broadcast them",
+        "build them alike on every rank (seed before building the model, not with the rank), "
+        "or keep broadcast_buffers=True so DDP broadcasts them from rank 0",
+    ),
     "update": (
         "after the step",
         "their gradients were equal at optimizer.step(): the update itself differs (optimizer "
@@ -116,13 +124,14 @@ def replica_finding(
             "build the same model on every rank (no rank-dependent layers or sizes)",
         )  # fmt: skip
     when, why, fix = _STAGE[stage]
-    if stage != "start":
+    if stage not in ("start", "buffers"):
         when = f"after step {step}"
     bad = _differing(names, sums)
     name, largest = spread if spread is not None else (bad[0], float("nan"))
+    what = "unwritten buffers" if stage == "buffers" else "replicated parameters"
     return Finding(
         "replica_divergence", "error", _list(bad),
-        f"{when}, {len(bad)} of {len(names)} replicated parameters differ across ranks "
+        f"{when}, {len(bad)} of {len(names)} {what} differ across ranks "
         f"({_which(sums)}; max |difference| {largest:.3g} in {name}): {why}",
         fix,
     )  # fmt: skip

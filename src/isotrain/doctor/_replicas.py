@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._torch_private import ddp_wrapped_params, tree_leaves
+from isotrain._torch_private import ddp_wrapped_params, tensor_version, tree_leaves
 from isotrain.doctor._context import CannotRun, Context
 from isotrain.doctor._finding import Finding
 from isotrain.doctor._ranks import Ranks, checksum
@@ -167,8 +167,34 @@ def check_ranks(ctx: Context) -> list[Finding]:
     mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
     hashes = ranks.gather("the batches' checksums", mine)
     out = same_data_finding(hashes)
+    buffers = _buffer_marks(_base(model))
     out += _stepped(ctx, ranks, model, opt, names, [s for _, s in start])
-    return out
+    return out + _constant_buffers(ranks, _base(model), buffers)
+
+
+def _buffer_marks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """name -> (write counter, checksum) of each buffer: BatchNorm's kernels write their
+    statistics without counting, so a changed value counts as a write too."""
+    named = dict(model.named_buffers())
+    return {n: (tensor_version(b), c) for (n, b), c in zip(named.items(), _sums([*named.values()]))}
+
+
+def _constant_buffers(
+    ranks: Ranks, model: nn.Module, before: dict[str, tuple[int, int]]
+) -> list[Finding]:
+    """replica_divergence of buffers no step wrote (a mask, a table): every rank should hold
+    the same; written ones (BatchNorm statistics, DDP's broadcast) may differ between syncs."""
+    now = _buffer_marks(model)
+    kept = {n: b for n, b in model.named_buffers() if before.get(n) == now[n]}
+    names = sorted(kept)
+    got = ranks.gather("the unwritten buffers' checksums", (names, _sums([kept[n] for n in names])))
+    if len({tuple(n) for n, _ in got}) > 1:
+        return []  # other buffers written per rank: nothing the ranks share to compare
+    sums = [s for _, s in got]
+    if all(s == sums[0] for s in sums):
+        return []
+    spread = _spread(ranks, names, sums, kept, "buffer")
+    return [replica_finding("buffers", sums, spread, names)]
 
 
 def _stepped(
