@@ -74,7 +74,7 @@ def test_auto_takes_the_fastest_mode_that_beats_fp32_by_five_percent(
     got = choice.choose_precision(_cfg(), CPU, probe=fake.probe())
     assert got.precision == expected and not got.cached
     assert got.ratios == pytest.approx({"fp32": 1.0, "bf16": bf16, "bf16-matmul": mixed})
-    assert f"step time vs fp32 fp32 1.00x, bf16 {bf16:.2f}x, bf16-matmul {mixed:.2f}x" in (
+    assert f"step time fp32 1.00x, bf16 {bf16:.2f}x, bf16-matmul {mixed:.2f}x" in (
         got.describe()
     )
     # interleaved: round 0 warms up, each round starts with another mode
@@ -110,7 +110,7 @@ def test_a_planted_cache_entry_is_called_cached_with_its_date_and_how_to_remeasu
     cache.write_text(json.dumps({key: {**planted, "measured": "2024-01-02T03:04:05+00:00"}}))
     got = choice.choose_precision(_cfg(), CPU, probe=lambda c, d: pytest.fail("probed"))
     assert got.describe() == (
-        "bf16 (auto: this CPU has AVX512-BF16 but no AMX tiles; step time vs fp32 fp32 1.00x, "
+        "bf16 (auto: this CPU has AVX512-BF16 but no AMX tiles; step time fp32 1.00x, "
         f"bf16 0.80x, bf16-matmul 0.90x, cached (measured 2024-01-02; delete {cache} to "
         "measure again))"
     )
@@ -206,8 +206,8 @@ def test_setup_resolves_auto_and_says_why(cache, native, monkeypatch, tmp_path) 
     run = setup(cfg)
     assert run.cfg.precision == "bf16-matmul"
     assert run.precision_note == (
-        "bf16-matmul (auto: this CPU has AVX512-BF16 but no AMX tiles; step time vs fp32 "
-        "fp32 1.00x, bf16 0.70x, bf16-matmul 0.50x)"
+        "bf16-matmul (auto: this CPU has AVX512-BF16 but no AMX tiles; step time fp32 1.00x, "
+        "bf16 0.70x, bf16-matmul 0.50x)"
     )
     fixed = setup(dataclasses.replace(cfg, precision="fp32", out_dir=str(tmp_path / "b")))
     assert fixed.precision_note == "fp32 (--precision fp32)"

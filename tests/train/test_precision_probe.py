@@ -74,8 +74,8 @@ def test_the_header_comes_first_then_the_probe_as_progress_then_the_choice(
     ]
     chosen = lines.index(rounds[-1]) + 1
     assert lines[chosen] == (
-        "precision  bf16-matmul (auto: this CPU has AVX512-BF16 but no AMX tiles; step time vs "
-        "fp32 fp32 1.00x, bf16 0.90x, bf16-matmul 0.60x)"
+        "precision  bf16-matmul (auto: this CPU has AVX512-BF16 but no AMX tiles; step time "
+        "fp32 1.00x, bf16 0.90x, bf16-matmul 0.60x)"
     )
     assert 'precision = "bf16-matmul"' in (tmp_path / "r" / "config.toml").read_text()
 

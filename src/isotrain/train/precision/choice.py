@@ -52,7 +52,7 @@ def decide(ratios: dict[str, float]) -> str:
 
 
 def _in_words(ratios: dict[str, float]) -> str:
-    return "step time vs fp32 " + ", ".join(f"{m} {ratios[m]:.2f}x" for m in MODES)
+    return "step time " + ", ".join(f"{m} {ratios[m]:.2f}x" for m in MODES)
 
 
 def _from_cache(entry: dict[str, Any], why: str) -> PrecisionChoice:
