@@ -85,7 +85,7 @@ def test_examine_restores_what_a_check_changed_even_on_a_copy_proof_model() -> N
 @pytest.mark.parametrize("name", sorted(correct.SETUPS))
 def test_a_correct_unusual_setup_gets_no_error_and_no_warning(name: str) -> None:
     setup = correct.SETUPS[name]()
-    d = examined_untouched(setup, checks="fast" if name == "t5" else "all")
+    d = examined_untouched(setup, checks="all")
     no_alarm(d)
     assert not d.of("doctor_error"), d
     if name in EXPECTED:
