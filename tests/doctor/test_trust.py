@@ -177,6 +177,16 @@ def test_the_state_a_step_keeps_in_globals_is_put_back_between_checks_and_at_the
     assert zoo_reports.RUNNING["h"] is h and not h.any()
     examine(**zoo.mlp_setup(step=zoo.step_with_item), checks=["host_sync", "cannot_overfit"])
     assert zoo.LOGGED == [1.0]  # the step appended dozens of losses; the list is as it was
+    examine(**zoo.mlp_setup(step=_counting_step), checks=["nondeterminism", "cannot_overfit"])
+    assert STEPS_TAKEN.item() == 0  # a global tensor written in place has its value back
+
+
+STEPS_TAKEN = torch.zeros((), dtype=torch.long)
+
+
+def _counting_step(model: torch.nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    STEPS_TAKEN.add_(1)  # a step counter kept in a global tensor, written in place
+    return zoo.good_step(model, opt, batch)
 
 
 def test_a_sync_inside_a_torch_module_is_torchs_not_the_users() -> None:

@@ -74,9 +74,7 @@ def test_auto_takes_the_fastest_mode_that_beats_fp32_by_five_percent(
     got = choice.choose_precision(_cfg(), CPU, probe=fake.probe())
     assert got.precision == expected and not got.cached
     assert got.ratios == pytest.approx({"fp32": 1.0, "bf16": bf16, "bf16-matmul": mixed})
-    assert f"step time fp32 1.00x, bf16 {bf16:.2f}x, bf16-matmul {mixed:.2f}x" in (
-        got.describe()
-    )
+    assert f"step time fp32 1.00x, bf16 {bf16:.2f}x, bf16-matmul {mixed:.2f}x" in (got.describe())
     # interleaved: round 0 warms up, each round starts with another mode
     assert fake.calls[:6] == ["fp32", "bf16", "bf16-matmul", "bf16", "bf16-matmul", "fp32"]
     assert len(fake.calls) == 15

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from isotrain._torch_private import tensor_version
+
 __all__ = ["StepState"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
@@ -29,7 +31,7 @@ def _kept(value: Any) -> bool:
 def _saved(value: Any) -> Any:
     """What restoring `value` needs: a tensor's values, a container's items."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return [value.detach().clone(), tensor_version(value)]  # values, write count after
     if type(value) in _CONTAINERS:
         return value.copy()
     return None
@@ -88,9 +90,11 @@ class StepState:
             else:
                 setattr(space, name, value)
             if isinstance(value, torch.Tensor):
-                if value.shape == saved.shape and not torch.equal(value.detach(), saved):
-                    with torch.no_grad():
-                        value.copy_(saved)
+                values, version = saved
+                if tensor_version(value) != version and value.shape == values.shape:
+                    with torch.no_grad():  # written in place since: its values back
+                        value.copy_(values)
+                    saved[1] = tensor_version(value)
             elif isinstance(value, list):
                 value[:] = saved
             elif type(value) in _CONTAINERS:
