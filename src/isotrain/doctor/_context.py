@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import capture_rng, restore_rng
+from isotrain._shared import restore_rng
 from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor._globals import StepState
 from isotrain.doctor._snapshot import Snapshot
@@ -123,9 +123,6 @@ class Context:
     def run_step(self, model: nn.Module, opt: Any, batch: Any) -> Any:
         """The user's step."""
         return self.step(model, opt, batch)
-
-    def rng_now(self) -> dict[str, Any]:
-        return capture_rng()
 
     # -- the model's inputs and outputs ------------------------------------------------------
     def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
