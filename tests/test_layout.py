@@ -8,6 +8,7 @@ and no import circle exists anywhere, function-level imports included.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -174,6 +175,80 @@ def test_the_readme_layout_names_only_paths_that_exist() -> None:
     listed = {n.rsplit("/", 2)[-1] or n.rsplit("/", 2)[-2] + "/" for n in named}
     unlisted = (trainer - {"__init__.py"} | rooms - {"__pycache__/"}) - listed
     assert not unlisted, f"README layout leaves out {sorted(unlisted)}"
+    doctor = {f"src/isotrain/doctor/{room}/" for room in DOCTOR_ROOMS}
+    assert doctor <= set(named), f"README layout leaves out {sorted(doctor - set(named))}"
+
+
+# The doctor's rooms: each may import only the rooms named here (and itself); the families of
+# checks stand side by side on the ground, so reading one family needs no other. Above them
+# all, `_examine` runs the families and the package's `__init__` is the public API.
+DOCTOR_FAMILIES = ("state", "update", "losses", "model", "numerics", "data", "performance")
+DOCTOR_ROOMS: dict[str, tuple[str, ...]] = {
+    "monitor": ("ranks", "ground"),
+    "ranks": ("ground",),
+    **{family: ("ground",) for family in DOCTOR_FAMILIES},
+    "ground": (),
+}
+
+
+def _doctor_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["isotrain", "doctor"] and len(parts) > 2 else None
+
+
+def doctor_upward_imports(graph: dict[str, list[str]]) -> list[str]:
+    """Each import between the doctor's rooms that its room may not make."""
+    bad = []
+    for module, targets in graph.items():
+        room = _doctor_room(module)
+        if room is None or room == "_examine":
+            continue
+        for target in targets:
+            other = _doctor_room(target)
+            if other is not None and other != room and other not in DOCTOR_ROOMS[room]:
+                bad.append(
+                    f"{module} imports {target}: {room} may import only {DOCTOR_ROOMS[room]}"
+                )
+    return bad
+
+
+def test_every_doctor_module_belongs_to_a_room() -> None:
+    rooms = {_doctor_room(m) for m in GRAPH} - {None, "_examine"}
+    assert rooms == set(DOCTOR_ROOMS), f"unplaced: {sorted(rooms ^ set(DOCTOR_ROOMS))}"
+
+
+def test_doctor_rooms_import_one_way() -> None:
+    assert doctor_upward_imports(GRAPH) == []
+
+
+def test_an_upward_or_sideways_doctor_import_is_caught() -> None:
+    planted = {
+        "isotrain.doctor.ground.trace": ["isotrain.doctor.state.leaks"],  # upward
+        "isotrain.doctor.losses.fit": ["isotrain.doctor.update.params"],  # family to family
+        "isotrain.doctor.ranks.link": ["isotrain.doctor.monitor.text"],  # upward
+    }
+    assert [b.split(":")[0] for b in doctor_upward_imports(planted)] == [
+        "isotrain.doctor.ground.trace imports isotrain.doctor.state.leaks",
+        "isotrain.doctor.losses.fit imports isotrain.doctor.update.params",
+        "isotrain.doctor.ranks.link imports isotrain.doctor.monitor.text",
+    ]
+
+
+def test_each_doctor_room_says_what_it_owns_and_lists_its_kinds() -> None:
+    from isotrain.doctor import KINDS, _examine, monitor
+
+    owned = {f.__name__.rsplit(".", 1)[1]: {k for c in f.CHECKS for k in c.names}
+             for f in _examine.FAMILIES}  # fmt: skip
+    owned["ground"] = {"doctor_error"}
+    owned["monitor"] = {k.name for k in monitor.KINDS} | {"replica_divergence"}
+    for room in DOCTOR_ROOMS:
+        doc = ast.get_docstring(
+            ast.parse((SRC / "isotrain/doctor" / room / "__init__.py").read_text())
+        )
+        assert doc and len(doc.split()) > 15, f"doctor/{room}: no docstring saying what it owns"
+        listed = set(re.findall(r"`(\w+)`", doc.split("Kinds:", 1)[1]))
+        assert listed == owned[room], f"doctor/{room}'s docstring lists {sorted(listed)}"
+    assert set().union(*owned.values()) == set(KINDS)
 
 
 def test_nothing_but_the_entry_point_imports_the_trainer() -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tests.doctor import zoo
 
 from isotrain.doctor import Finding, Monitor
-from isotrain.doctor import _monitor as monitor_mod
+from isotrain.doctor.monitor import invariants as monitor_mod
 from isotrain.guard import GuardedOptimizer, StepGuard
 
 LR = 0.1

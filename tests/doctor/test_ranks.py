@@ -28,7 +28,7 @@ from tests.doctor import zoo, zoo_ranks
 from tests.worlds import ENV, free_port, join_env
 
 from isotrain.doctor import Monitor, examine
-from isotrain.doctor import _ranks as ranks_mod
+from isotrain.doctor.ranks import link as ranks_mod
 
 WORLD = 2
 ACROSS = ["replica_divergence", "gradient_not_synchronized", "same_data_on_ranks",

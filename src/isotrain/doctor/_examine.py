@@ -13,136 +13,48 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
-from isotrain.doctor._batch import check_batch_size
-from isotrain.doctor._collectives import Collectives, checking_collectives
-from isotrain.doctor._compile import check_graph_breaks, check_recompiles, user_compiles
-from isotrain.doctor._context import CannotRun, Context, StepFn
-from isotrain.doctor._finding import KINDS, Diagnosis, Finding
-from isotrain.doctor._fit import check_loss_at_init, check_overfit
-from isotrain.doctor._grads import check_accumulation, check_graph_retained, check_stale
-from isotrain.doctor._loss import check_labels, check_loss_broadcast, check_padding, check_softmax
-from isotrain.doctor._memory import check_memory
-from isotrain.doctor._model import check_batch_mixing, check_causal_leak
-from isotrain.doctor._numerics import check_nondeterminism, check_nonfinite, check_overflow
-from isotrain.doctor._params import check_learning, check_optimizer
-from isotrain.doctor._precision import check_autocast
-from isotrain.doctor._ranks import RankError, Ranks, distributed
-from isotrain.doctor._replica_text import merge_findings
-from isotrain.doctor._replicas import check_ranks
-from isotrain.doctor._schedule import check_lr
-from isotrain.doctor._state import check_leaks, check_rng_leak
-from isotrain.doctor._sync import check_host_sync
-from isotrain.doctor._workers import check_worker_seed
+from isotrain.doctor import (
+    data,
+    losses,
+    model,
+    monitor,
+    numerics,
+    performance,
+    ranks,
+    state,
+    update,
+)
+from isotrain.doctor.ground.context import CannotRun, Context, StepFn
+from isotrain.doctor.ground.finding import Diagnosis, Finding
+from isotrain.doctor.ground.kinds import DOCTOR_ERROR, Check
+from isotrain.doctor.performance.compile import user_compiles
+from isotrain.doctor.ranks.collectives import Collectives, checking_collectives
+from isotrain.doctor.ranks.link import RankError, Ranks, distributed
+from isotrain.doctor.ranks.text import merge_findings
 
-__all__ = ["CHECKS", "examine"]
+__all__ = ["CHECKS", "FAMILIES", "KINDS", "examine"]
 
 log = logging.getLogger(__name__)
 MAX_BATCHES = 8
 _TASKS = (None, "lm", "classification", "gan")
-MONITOR_KINDS = ("lost_update", "nonfinite_grad", "lr_off_schedule")
 
+# The families examine runs, each a room that lists its checks and their kinds (ranks: only
+# under a process group, and first: a DDP bug is seen before other checks step on its reducer)
+FAMILIES = (state, update, losses, model, numerics, data, performance, ranks)
+CHECKS: tuple[Check, ...] = tuple(c for family in FAMILIES for c in family.CHECKS)
 
-@dataclass(frozen=True)
-class Check:
-    """A family of kinds measured together; `fast=False` ones are skipped by checks="fast";
-    `traces=True` ones trace with torch.compile, every other runs the user's compiled code
-    eagerly (hooks and op watches see every op, and no compile happens)."""
-
-    name: str
-    kinds: tuple[str, ...]
-    run: Callable[[Context], list[Finding]]
-    fast: bool = True
-    traces: bool = False
-    ranks: bool = False  # compares ranks: left out of "all"/"fast" in a single process
-
-
-# the kinds read from one trace of the user's step (_trace), each with its own check
-_TRACED: tuple[tuple[str, Callable[[Context], list[Finding]]], ...] = (
-    ("labels_not_shifted", check_labels),
-    ("padding_in_loss", check_padding),
-    ("loss_broadcast", check_loss_broadcast),
-    ("softmax_before_loss", check_softmax),
-    ("graph_retained", check_graph_retained),
-    ("stale_gradient", check_stale),
-    ("accumulation_scale", check_accumulation),
-    ("autocast_not_applied", check_autocast),
-    ("lr_collapse", check_lr),
-)
-
-
-def _each(parts: Sequence[tuple[str, Callable[[Context], list[Finding]]]], ctx: Context) -> Any:
-    """Several kinds' checks as one family (one reset around them all); a check that cannot
-    run says so as an info finding of its own kind, one that raises as a doctor_error."""
-    out: list[Finding] = []
-    for kind, check in parts:
-        try:
-            out += check(ctx)
-        except CannotRun as e:
-            out.append(Finding(kind, "info", kind, f"not checked: {e}", "-"))
-        except Exception as e:
-            log.debug("doctor check %s raised", kind, exc_info=True)
-            out.append(_raised(kind, e))
-    return out
-
-
-CHECKS: tuple[Check, ...] = (
-    Check("host_sync", ("host_sync",), check_host_sync),
-    Check(
-        "leaks",
-        (
-            "mode_leak",
-            "grad_mode_leak",
-            "autocast_leak",
-            "global_state_leak",
-            "eval_in_train_mode",
-            "buffer_write_in_eval",
-        ),
-        check_leaks,
-    ),
-    Check("rng_leak", ("rng_leak",), check_rng_leak),
-    Check(
-        "optimizer",
-        (
-            "parameter_not_in_optimizer",
-            "frozen_parameter_in_optimizer",
-            "duplicate_parameter",
-            "weight_decay_on_norm_or_bias",
-        ),
-        check_optimizer,
-    ),
-    Check("learning", ("unused_parameter", "params_unchanged"), check_learning),
-    Check("overfit", ("cannot_overfit",), check_overfit, fast=False),
-    Check("loss_at_init", ("loss_at_init",), check_loss_at_init),
-    Check("batch_mixing", ("batch_mixing",), check_batch_mixing),
-    Check("causal_leak", ("causal_leak",), check_causal_leak),
-    Check("nonfinite", ("nonfinite_forward",), check_nonfinite),
-    Check("overflow", ("overflow_risk",), check_overflow),
-    Check("nondeterminism", ("nondeterminism",), check_nondeterminism),
-    Check("graph_break", ("graph_break",), check_graph_breaks, fast=False, traces=True),
-    Check("recompile", ("recompile",), check_recompiles, fast=False, traces=True),
-    Check("memory", ("memory",), check_memory),
-    Check("batch_size", ("batch_size_mismatch",), check_batch_size),
-    Check("trace", tuple(k for k, _ in _TRACED), lambda ctx: _each(_TRACED, ctx)),
-    Check("workers", ("dataloader_worker_seed",), check_worker_seed),
-    Check(
-        "ranks",
-        (
-            "replica_divergence",
-            "gradient_not_synchronized",
-            "same_data_on_ranks",
-            "collective_mismatch",
-        ),
-        check_ranks,
-        ranks=True,
-    ),
-)
+# Every kind the doctor reports, with one line saying what it means: examine's, its own
+# doctor_error, then those only the Monitor sees in a real run.
+KINDS: dict[str, str] = {
+    k.name: k.means for k in (*(k for c in CHECKS for k in c.kinds), DOCTOR_ERROR, *monitor.KINDS)
+}
+MONITOR_KINDS = tuple(k.name for k in monitor.KINDS)
 
 
 def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
@@ -150,7 +62,7 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     if checks in ("all", "fast"):
         many = distributed()
         chosen = [c for c in CHECKS if (c.fast or checks == "all") and (many or not c.ranks)]
-        return chosen, {k for c in chosen for k in c.kinds} | {"doctor_error"}
+        return chosen, {k for c in chosen for k in c.names} | {"doctor_error"}
     if isinstance(checks, str) or not all(isinstance(k, str) for k in checks):
         raise ValueError(
             f'checks must be "all", "fast" or a list of kinds, got {checks!r}; '
@@ -166,7 +78,7 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
             "not by examine"
         )
     kinds = set(checks) | {"doctor_error"}
-    return [c for c in CHECKS if kinds & set(c.kinds)], kinds
+    return [c for c in CHECKS if kinds & set(c.names)], kinds
 
 
 def _plain_step(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> StepFn:
@@ -263,7 +175,7 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
     except CannotRun as e:
         return [
             Finding(k, "info", check.name, f"not checked: {e}", "-")
-            for k in check.kinds
+            for k in check.names
             if k in kinds
         ]
     except Exception as e:

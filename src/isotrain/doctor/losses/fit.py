@@ -1,0 +1,171 @@
+"""Karpathy's recipe checks: the loss at init, and whether the model can memorise one batch.
+
+cannot_overfit runs a few dozen steps on one repeated batch at the user's learning rate and,
+where the loss barely falls, again at ten times that rate (an optimizer hook scales each
+group's lr for the update only, so the user's schedule runs as written): a model that learns
+at 10x is fine, one that learns at neither cannot learn. A loss that is not meant to fall (a
+GAN's adversarial losses, several optimizers) is not judged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain.doctor.ground.context import CannotRun, Context, as_loss
+from isotrain.doctor.ground.finding import Finding, Severity
+from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ground.probe import probe_ok
+from isotrain.doctor.ground.trace import trace
+
+__all__ = ["LOSS_AT_INIT", "OVERFIT", "check_loss_at_init", "check_overfit"]
+
+OVERFIT_STEPS = 30
+BOOST = 10.0  # the second try's learning-rate factor
+_FELL = 0.9  # a loss that ends below 90% of where it started has fallen
+
+
+@contextmanager
+def _lr_scaled(optimizers: list[torch.optim.Optimizer], factor: float) -> Iterator[None]:
+    """Each update runs with every group's lr times `factor`; the lr is put back after it."""
+    saved: list[list[Any]] = []
+
+    def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        saved.append([g["lr"] for g in opt.param_groups])
+        for g in opt.param_groups:
+            g["lr"] = g["lr"] * factor
+
+    def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for g, lr in zip(opt.param_groups, saved.pop(), strict=True):
+            g["lr"] = lr
+
+    handles = [h for o in optimizers for h in (o.register_step_pre_hook(before),
+                                               o.register_step_post_hook(after))]  # fmt: skip
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _losses(ctx: Context, factor: float) -> tuple[float, float]:
+    """(first, best of the last three) losses over OVERFIT_STEPS steps on batch 0."""
+    model, opt = ctx.fresh()
+    losses = []
+    with _lr_scaled(ctx.optimizers, factor):
+        for _ in range(OVERFIT_STEPS):
+            value = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
+            if value is None:
+                raise CannotRun("the step returns no loss tensor to follow")
+            losses.append(float(value.detach().float().mean()))  # sync: the doctor, not the step
+    return losses[0], min(losses[-3:])
+
+
+def _fell(first: float, last: float) -> bool:
+    return math.isfinite(last) and last <= _FELL * first
+
+
+def check_overfit(ctx: Context) -> list[Finding]:
+    """cannot_overfit: a few dozen steps on one repeated batch must lower its loss, at the
+    user's learning rate or at ten times it."""
+    probe_ok(ctx)
+    if ctx.loss_falls is False:
+        raise CannotRun("declared loss_falls=False (a loss that is not meant to fall)")
+    if ctx.loss_falls is None and (ctx.task == "gan" or len(ctx.optimizers) > 1):
+        raise CannotRun(
+            "several optimizers (or task='gan'): adversarial losses need not fall; pass "
+            "loss_falls=True to check anyway"
+        )
+    first, last = _losses(ctx, 1.0)
+    if _fell(first, last):
+        return []
+    at_boost = _losses(ctx, BOOST)
+    seen = (
+        f"loss on one repeated batch went {first:.4g} -> {last:.4g} in {OVERFIT_STEPS} steps "
+        f"at your learning rate, {at_boost[0]:.4g} -> {at_boost[1]:.4g} at {BOOST:g}x"
+    )
+    if _fell(*at_boost):
+        return [Finding(
+            "cannot_overfit", "info", "your step",
+            seen + ": the model learns; your rate is gentle for memorising one batch",
+            "nothing to fix for a fine-tuning rate; a typo'd rate (1e-6 for 1e-3) looks so too",
+        )]  # fmt: skip
+    return [Finding(
+        "cannot_overfit", "warning", "your step",
+        seen + ": a model that cannot memorise one batch will not learn the data",
+        "check that the loss reaches the parameters, that targets match inputs (no double "
+        "softmax before the loss), and the learning rate (a schedule at 0?)",
+    )]  # fmt: skip
+
+
+def _classes(ctx: Context, model: nn.Module) -> int:
+    args, kwargs = ctx.split(ctx.batches[0])
+    with torch.no_grad():
+        logits = ctx.outputs(model, args, kwargs)
+    return int(logits.shape[-1])
+
+
+def _first_loss(ctx: Context) -> float:
+    """The first step's first mean cross-entropy (what a step returns may be scaled for
+    accumulation or hold other terms), else the loss the step returned."""
+    p = probe_ok(ctx)
+    tr = trace(ctx)
+    calls = [] if tr.error is not None else tr.watch.calls
+    for c in calls:
+        if c.step == 0 and c.name in ("cross_entropy", "nll_loss") and c.value is not None:
+            return c.value
+    if p.loss is None:
+        raise CannotRun("the step returns no loss tensor")
+    return p.loss
+
+
+def check_loss_at_init(ctx: Context) -> list[Finding]:
+    """loss_at_init: for lm/classification, the first loss against ln(number of classes): a
+    warning beyond twice it (or below half: a leak?), info when moderately off."""
+    if ctx.task not in ("lm", "classification"):
+        raise CannotRun('needs task="lm" or task="classification" to know the expected loss')
+    first = _first_loss(ctx)
+    model, _ = ctx.fresh()
+    n = _classes(ctx, model)
+    expected = math.log(n)
+    if math.isfinite(first) and abs(first - expected) <= max(0.5, 0.25 * expected):
+        return []
+    far = not math.isfinite(first) or not 0.5 * expected <= first <= 2 * expected
+    sev: Severity = "warning" if far else "info"
+    fix = (
+        "initialise the output layer small (std ~0.02, or zeros), check the targets "
+        "(shifted by one for a language model, class indices for classification)"
+        if far
+        else "optional: an output layer initialised small (std ~0.02) skips the first steps' fall"
+    )
+    return [Finding(
+        "loss_at_init", sev, "your step",
+        f"first loss {first:.4g}, expected about ln({n}) = {expected:.4g} for a model "
+        "that starts out guessing uniformly",
+        fix,
+    )]  # fmt: skip
+
+
+OVERFIT = Check(
+    "overfit",
+    (
+        Kind(
+            "cannot_overfit",
+            "the loss on one repeated batch falls neither at your LR nor at 10x",
+        ),
+    ),
+    check_overfit,
+    fast=False,
+)
+
+
+LOSS_AT_INIT = Check(
+    "loss_at_init",
+    (Kind("loss_at_init", "the first loss is far from ln(number of classes)"),),
+    check_loss_at_init,
+)

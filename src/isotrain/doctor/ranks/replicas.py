@@ -1,0 +1,301 @@
+"""Across ranks: replicas that differ, gradients never averaged, the same data on every rank.
+
+Runs two of the user's steps on the user's own (DDP / FSDP2 / plain) model and optimizer
+(`ctx.fresh()`, put back after the check): a deep copy of a DDP model builds a new reducer
+on the copy's parameters, which hides exactly the bugs looked for here. Each rank records
+checksums (of its batches, of the replicated parameters before and after each step, of their
+gradients after the last backward and at `optimizer.step()`); one exchange per step compares
+them, and only a parameter found to differ is exchanged whole, once, for its largest difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain._torch_private import ddp_wrapped_params, tensor_version, tree_leaves
+from isotrain.doctor.ground.context import CannotRun, Context
+from isotrain.doctor.ground.finding import Finding
+from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ranks.link import Ranks, checksum
+from isotrain.doctor.ranks.text import (
+    gradient_finding,
+    mismatch_finding,
+    replica_finding,
+    same_data_finding,
+)
+
+__all__ = ["RANKS", "check_ranks", "replicated"]
+
+STEPS = 2  # the second step catches a wrapper used on some calls only
+
+
+def replicated(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters every data-parallel rank holds in full (FSDP shards left out)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        placements = getattr(p, "placements", None)
+        if placements is not None and not all(pl.is_replicate() for pl in placements):
+            continue  # one shard per rank: nothing to compare
+        out[name] = p
+    return out
+
+
+def _sums(tensors: list[torch.Tensor]) -> list[int]:
+    return torch.stack([checksum(t) for t in tensors]).tolist() if tensors else []
+
+
+def _batch_hash(batch: Any) -> str:
+    """sha1 of every tensor's shape, dtype and bytes in a batch (order-sensitive)."""
+    h = hashlib.sha1()
+    for t in tree_leaves(batch):
+        if isinstance(t, torch.Tensor):
+            c = t.detach().cpu().contiguous()
+            h.update(f"{tuple(c.shape)}{c.dtype}".encode())
+            h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+    return h.hexdigest()[:12]
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The module whose parameter names the user knows (a DDP wrapper's `.module`)."""
+    inner = model.module if _is_ddp(model) else model
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _wrapped_by_framework(model: nn.Module) -> bool:
+    """DDP, or FSDP2 (its modules gain set_requires_gradient_sync)."""
+    return _is_ddp(model) or callable(getattr(model, "set_requires_gradient_sync", None))
+
+
+@dataclass
+class _Record:
+    """One step on one rank: grads after its last backward before optimizer.step, at the step."""
+
+    backwards: int = 0
+    after_backward: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
+    synced: list[int] | None = None
+    at_step: list[int] | None = None
+    wrapper_called: bool = False
+    inner_called: bool = False
+    sync_off: bool = False
+    stepped: bool = False
+
+
+@contextlib.contextmanager
+def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[_Record]:
+    """Record one step: torch.autograd.backward wrapped, a step pre-hook, forward pre-hooks."""
+    rec, params = _Record(), [dict(_base(model).named_parameters())[n] for n in names]
+    backward = torch.autograd.backward
+
+    def grads() -> list[torch.Tensor]:
+        return [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        out = backward(*args, **kwargs)
+        if not rec.stepped:  # the gradients optimizer.step() will use
+            rec.backwards += 1
+            rec.sync_off = not getattr(model, "require_backward_grad_sync", True)
+            rec.after_backward = {n: g.detach().clone() for n, g in zip(names, grads())}
+            rec.synced = _sums(list(rec.after_backward.values()))
+        return out
+
+    def pre_step(*_: Any) -> None:
+        if not rec.stepped:
+            rec.stepped, rec.at_step = True, _sums(grads())
+
+    def mark(attr: str) -> Any:
+        return lambda *_: setattr(rec, attr, True)
+
+    handles = [o.register_step_pre_hook(pre_step) for o in opts]
+    handles.append(model.register_forward_pre_hook(mark("wrapper_called")))
+    inner = getattr(model, "module", None)
+    if isinstance(inner, nn.Module) and _is_ddp(model):
+        handles.append(inner.register_forward_pre_hook(mark("inner_called")))
+    torch.autograd.backward = watched
+    try:
+        yield rec
+    finally:
+        torch.autograd.backward = backward
+        for h in handles:
+            h.remove()
+
+
+def _cause(model: nn.Module, names: list[str], recs: list[_Record]) -> str:
+    """Why a DDP model's gradients were not averaged: replaced, bypassed, no_sync, or moved."""
+    if not _is_ddp(model):
+        return "plain"
+    wrapped = ddp_wrapped_params(model)
+    if wrapped is not None:
+        ids = {id(p) for p in wrapped}
+        if any(id(p) not in ids for p in model.parameters()):
+            return "replaced"
+    if any(r.inner_called and not r.wrapper_called for r in recs):
+        return "bypassed"
+    if any(r.sync_off for r in recs):
+        return "no_sync"
+    return "moved"
+
+
+def check_ranks(ctx: Context) -> list[Finding]:
+    """replica_divergence, gradient_not_synchronized, same_data_on_ranks over two steps."""
+    ranks: Ranks | None = getattr(ctx, "ranks", None)
+    if ranks is None:
+        raise CannotRun("needs a process group of 2 or more ranks (torchrun --nproc-per-node N)")
+    if _mismatch(ctx):
+        return _mismatch(ctx)
+    model, opt = ctx.fresh()  # the caller's own objects: examine puts them back afterwards
+    reps = replicated(_base(model))
+    names, tensors = list(reps), list(reps.values())
+    start = ranks.gather("replicas before the first step", (names, _sums(tensors)))
+    framework = _wrapped_by_framework(model)
+    if len({tuple(n) for n, _ in start}) > 1:
+        return [replica_finding("models", start, None, [])]
+    if not framework and len({tuple(s) for _, s in start}) > 1:
+        raise CannotRun(
+            "the parameters differ across ranks and the model is no DDP/FSDP wrapper: "
+            "not replicas (tensor or pipeline parallel?), nothing to compare"
+        )
+    mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
+    hashes = ranks.gather("the batches' checksums", mine)
+    out = same_data_finding(hashes)
+    buffers = _buffer_marks(_base(model))
+    out += _stepped(ctx, ranks, model, opt, names, [s for _, s in start])
+    return out + _constant_buffers(ranks, _base(model), buffers)
+
+
+def _buffer_marks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """name -> (write counter, checksum) of each buffer: BatchNorm's kernels write their
+    statistics without counting, so a changed value counts as a write too."""
+    named = dict(model.named_buffers())
+    return {n: (tensor_version(b), c) for (n, b), c in zip(named.items(), _sums([*named.values()]))}
+
+
+def _constant_buffers(
+    ranks: Ranks, model: nn.Module, before: dict[str, tuple[int, int]]
+) -> list[Finding]:
+    """replica_divergence of buffers no step wrote (a mask, a table): every rank should hold
+    the same; written ones (BatchNorm statistics, DDP's broadcast) may differ between syncs."""
+    now = _buffer_marks(model)
+    kept = {n: b for n, b in model.named_buffers() if before.get(n) == now[n]}
+    names = sorted(kept)
+    got = ranks.gather("the unwritten buffers' checksums", (names, _sums([kept[n] for n in names])))
+    if len({tuple(n) for n, _ in got}) > 1:
+        return []  # other buffers written per rank: nothing the ranks share to compare
+    sums = [s for _, s in got]
+    if all(s == sums[0] for s in sums):
+        return []
+    spread = _spread(ranks, names, sums, kept, "buffer")
+    return [replica_finding("buffers", sums, spread, names)]
+
+
+def _stepped(
+    ctx: Context, ranks: Ranks, model: nn.Module, opt: Any, names: list[str],
+    start: list[list[int]],
+) -> list[Finding]:  # fmt: skip
+    """Two steps, one exchange after each; the first difference found is reported."""
+    out: list[Finding] = []
+    if any(s != start[0] for s in start):
+        spread = _spread(ranks, names, start, dict(_base(model).named_parameters()), "before")
+        out.append(replica_finding("start", start, spread, names))
+    recs: list[_Record] = []
+    for i in range(STEPS):
+        with _recording(model, ctx.optimizers, names) as rec:
+            error = _run(ctx, model, opt, ctx.batches[i % len(ctx.batches)])
+        recs.append(rec)
+        after = _sums([dict(_base(model).named_parameters())[n] for n in names])
+        got = ranks.gather(f"replicas after step {i + 1}", (error, rec.synced, rec.at_step, after))
+        failed = [(r, e) for r, (e, *_) in enumerate(got) if e is not None]
+        if failed and _mismatch(ctx):
+            return out + _mismatch(ctx)
+        if failed:
+            r, e = failed[0]
+            raise CannotRun(f"your step raised on rank {r}: {e}")
+        found = _judge(ranks, model, names, got, recs, out, i + 1)
+        if found:
+            return out + found
+    return out
+
+
+def _mismatch(ctx: Context) -> list[Finding]:
+    """The collective mismatch the user's step met under the doctor, if it met one."""
+    calls = ctx.cache.get("collectives")
+    mismatch = getattr(calls, "mismatch", None)
+    return [mismatch_finding(*mismatch)] if mismatch else []
+
+
+def _run(ctx: Context, model: nn.Module, opt: Any, batch: Any) -> str | None:
+    try:
+        ctx.run_step(model, opt, batch)
+    except Exception as e:
+        if type(e).__name__ == "RankError":
+            raise
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    return None
+
+
+def _judge(
+    ranks: Ranks, model: nn.Module, names: list[str], got: list[Any], recs: list[_Record],
+    already: list[Finding], step: int,
+) -> list[Finding]:  # fmt: skip
+    """Findings from one step's exchange (the same on every rank: they share `got`)."""
+    synced = [g[1] for g in got]
+    at_step = [g[2] for g in got]
+    after = [g[3] for g in got]
+    if all(s is not None for s in synced) and any(s != synced[0] for s in synced):
+        grads = recs[-1].after_backward
+        spread = _spread(ranks, names, synced, grads, "gradients")
+        return [gradient_finding(synced, spread, names, _cause(model, names, recs), step)]
+    if already or all(a == after[0] for a in after):
+        return []
+    spread = _spread(ranks, names, after, dict(_base(model).named_parameters()), "after")
+    stage = "update"
+    if all(s is not None for s in at_step) and any(s != at_step[0] for s in at_step):
+        stage = "between"
+    return [replica_finding(stage, after, spread, names, step=step)]
+
+
+def _spread(
+    ranks: Ranks, names: list[str], sums: list[list[int]], tensors: dict[str, torch.Tensor],
+    what: str,
+) -> tuple[str, float]:  # fmt: skip
+    """(name, largest difference across ranks) of the first parameter whose sums differ."""
+    first = next(i for i in range(len(names)) if len({s[i] for s in sums}) > 1)
+    return names[first], ranks.spread(tensors[names[first]], f"the {what} of {names[first]}")
+
+
+RANKS = Check(
+    "ranks",
+    (
+        Kind(
+            "replica_divergence",
+            "a replicated parameter, or a buffer no step writes, differs across data-parallel "
+            "ranks (which one, which ranks, the largest difference)",
+        ),
+        Kind(
+            "gradient_not_synchronized",
+            "after backward, a data-parallel model's gradients differ across ranks (DDP hooks on "
+            "replaced parameters, the wrapper bypassed, no_sync left on)",
+        ),
+        Kind(
+            "same_data_on_ranks",
+            "ranks got byte-identical batches (no DistributedSampler, data not split by rank)",
+        ),
+        Kind(
+            "collective_mismatch",
+            "ranks call a collective with tensors of other shapes or dtypes, or reach collectives "
+            "in another order (compared before the collective runs)",
+        ),
+    ),
+    check_ranks,
+    ranks=True,
+)

@@ -1,0 +1,16 @@
+"""State across steps: what the step or the evaluation leaves changed for the steps after
+it: modes, grad mode, autocast, global flags and RNG (leaks), graphs kept alive (graph), the
+learning-rate schedule (schedule).
+
+Kinds: `mode_leak`, `grad_mode_leak`, `autocast_leak`, `global_state_leak`,
+`eval_in_train_mode`, `buffer_write_in_eval`, `rng_leak`, `graph_retained`, `lr_collapse`.
+"""
+
+from isotrain.doctor.ground.kinds import Check
+from isotrain.doctor.state.graph import GRAPH_RETAINED
+from isotrain.doctor.state.leaks import LEAKS, RNG_LEAK
+from isotrain.doctor.state.schedule import LR_COLLAPSE
+
+__all__ = ["CHECKS"]
+
+CHECKS: tuple[Check, ...] = (LEAKS, RNG_LEAK, GRAPH_RETAINED, LR_COLLAPSE)

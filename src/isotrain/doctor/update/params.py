@@ -1,0 +1,226 @@
+"""Parameters against the optimizers, and whether a step moves them at all.
+
+Read-only checks compare the model's parameters with the optimizers' groups (by identity);
+the probe step says which parameters a gradient reached, whether it was exactly zero, whether
+the update still saw it, and which parameters changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from isotrain.doctor.ground.context import STAT_NORMS, Context, Probe, params_of
+from isotrain.doctor.ground.finding import Finding, Severity
+from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ground.probe import probe, probe_ok
+
+__all__ = ["LEARNING", "OPTIMIZER", "check_learning", "check_optimizer", "name_list"]
+
+ZERO_STEPS = 4  # steps over which an exactly zero gradient must stay zero to be reported
+_BIASED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def name_list(names: list[str]) -> str:
+    """Up to three names, and how many more."""
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def _held(ctx: Context) -> list[tuple[dict[str, Any], torch.Tensor]]:
+    """(group, tensor) of every parameter the optimizers hold, duplicates included."""
+    return [(g, p) for opt in ctx.optimizers for g in opt.param_groups for p in g["params"]]
+
+
+def check_optimizer(ctx: Context) -> list[Finding]:
+    """parameter_not_in_optimizer, frozen_parameter_in_optimizer, duplicate_parameter,
+    weight_decay_on_norm_or_bias: the model's parameters against the optimizer's groups."""
+    params = params_of(ctx.model)
+    name_of = {id(p): n for n, p in params.items()}
+    held = _held(ctx)
+    ids = [id(p) for _, p in held]
+    out = []
+    missing = [n for n, p in params.items() if p.requires_grad and id(p) not in set(ids)]
+    if missing:
+        out.append(Finding(
+            "parameter_not_in_optimizer", "error", name_list(missing),
+            f"{len(missing)} trainable parameter(s) are in no optimizer group: they never train",
+            "build the optimizer after the last change to the model (a new head, a replaced "
+            "layer, .to(device) of a copy), or optimizer.add_param_group({'params': [...]})",
+        ))  # fmt: skip
+    frozen = [name_of.get(id(p), "?") for _, p in held if not p.requires_grad]
+    if frozen:
+        out.append(_frozen(ctx, frozen))
+    dup = sorted({name_of.get(i, "?") for i in ids if ids.count(i) > 1})
+    if dup:
+        out.append(Finding(
+            "duplicate_parameter", "error", name_list(dup),
+            f"{len(dup)} tensor(s) appear more than once in the optimizer's groups: each step "
+            "updates them twice (and their weight decay differs by group)",
+            "give each tensor to one group only (tied weights: list the shared tensor once)",
+        ))  # fmt: skip
+    decayed = [
+        name_of.get(id(p), "?") for g, p in held if p.ndim < 2 and g.get("weight_decay", 0) > 0
+    ]
+    if decayed:
+        out.append(Finding(
+            "weight_decay_on_norm_or_bias", "info", name_list(decayed),
+            f"weight decay applies to {len(decayed)} bias/norm parameter(s) (1-D tensors)",
+            "put 1-D parameters in a group with weight_decay=0.0 (the usual GPT recipe)",
+        ))  # fmt: skip
+    return out
+
+
+def _frozen(ctx: Context, frozen: list[str]) -> Finding:
+    """frozen_parameter_in_optimizer: a warning when the step moves a frozen parameter
+    (weight decay or momentum on a zero grad), info while its grad stays None (skipped)."""
+    p = probe(ctx)
+    moved = [n for n in frozen if n in p.changed]
+    held = f"the optimizer holds {len(frozen)} parameter(s) with requires_grad=False"
+    fix = (
+        "build the optimizer from [p for p in model.parameters() if p.requires_grad]; "
+        "isotrain.contexts.frozen freezes for a block and restores each flag"
+    )
+    if moved:
+        return Finding(
+            "frozen_parameter_in_optimizer", "warning", name_list(moved),
+            f"{held}, and the step changed {len(moved)} of them: a zero gradient "
+            "(zero_grad(set_to_none=False), or one left from before freezing) still gets "
+            "weight decay and momentum",
+            fix,
+        )  # fmt: skip
+    why = "their .grad stays None, so the optimizer skips them"
+    if p.error is not None:
+        why = f"whether a step moves them is unknown: your step raised {p.error}"
+    where = name_list(frozen)
+    return Finding("frozen_parameter_in_optimizer", "info", where, f"{held}; {why}", fix)
+
+
+def check_learning(ctx: Context) -> list[Finding]:
+    """unused_parameter and params_unchanged, from the probe step."""
+    p = probe_ok(ctx)
+    params = params_of(ctx.model)
+    held = {id(t) for _, t in _held(ctx)}
+    out = []
+    unused = [n for n, t in params.items() if t.requires_grad and n not in p.got_grad]
+    if unused:
+        out.append(Finding(
+            "unused_parameter", "warning", name_list(unused),
+            f"{len(unused)} parameter(s) with requires_grad received no gradient in a step",
+            "remove the unused module, or freeze it (requires_grad_(False)) if it is meant "
+            "to stay; under DDP an unused parameter needs find_unused_parameters=True",
+        ))  # fmt: skip
+    return out + _unchanged(ctx, p, [n for n, t in params.items() if id(t) in held])
+
+
+def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:
+    """params_unchanged: a held parameter a gradient reached that the step did not move, by
+    cause: its gradient cleared before the update, no learning rate, or an exact zero."""
+    reached = [n for n in held if n in p.got_grad]
+    still = [n for n in reached if n not in p.changed]
+    lost = [n for n in still if n in p.lost_grad]
+    kept = [n for n in still if n not in lost]
+    normed = _bias_before_norm(ctx, ctx.fresh()[0]) if kept else {}
+    redundant = [n for n in kept if n in normed]
+    zero = [n for n in kept if n in p.zero_grad and n not in normed]
+    rest = [n for n in kept if n not in p.zero_grad and n not in normed]
+    out = []
+    if redundant:
+        out.append(Finding(
+            "params_unchanged", "info", name_list(redundant),
+            f"{len(redundant)} bias(es) feed a batch-statistics norm ({normed[redundant[0]]}), "
+            "which subtracts each channel's mean: their gradient is zero by design (up to "
+            "rounding), so they do not move",
+            "redundant: build the layer with bias=False (the norm's own bias does the work)",
+        ))  # fmt: skip
+
+    def sev(names: list[str]) -> Severity:
+        return "error" if len(names) == len(reached) else "warning"
+
+    if lost:
+        out.append(Finding(
+            "params_unchanged", sev(lost), name_list(lost),
+            f"{len(lost)} of {len(reached)} parameter(s) got a nonzero gradient in backward, "
+            "but it was gone (None or zero) when optimizer.step() ran: nothing was applied",
+            "call optimizer.zero_grad() before backward (or after optimizer.step()), never "
+            "between backward and step",
+        ))  # fmt: skip
+    if rest:
+        out.append(Finding(
+            "params_unchanged", sev(rest), name_list(rest),
+            f"{len(rest)} of {len(reached)} parameter(s) had a nonzero gradient at "
+            "optimizer.step() and did not change",
+            "check the group's learning rate (0, or a schedule that starts at 0)",
+        ))  # fmt: skip
+    return out + (_structural_zeros(ctx, zero) if zero else [])
+
+
+def _structural_zeros(ctx: Context, names: list[str]) -> list[Finding]:
+    """Parameters whose gradient was exactly zero: follow them over a few more steps (LoRA's
+    A moves once B has); those that never move are reported."""
+    model, opt = ctx.fresh()
+    params = params_of(model)
+    start = {n: params[n].detach().clone() for n in names}
+    for i in range(ZERO_STEPS):
+        ctx.run_step(model, opt, ctx.batches[i % len(ctx.batches)])
+    stuck = [n for n in names if torch.equal(params[n].detach(), start[n])]
+    if not stuck:
+        return []
+    return [Finding(
+        "params_unchanged", "warning", name_list(stuck),
+        f"{len(stuck)} parameter(s) got an exactly zero gradient in each of {ZERO_STEPS} "
+        "steps over the examined batches: nothing reaches them through the loss",
+        "look at what sits between them and the loss: a mask or multiply by 0, ReLUs that "
+        "never fire, an expert no sample is routed to",
+    )]  # fmt: skip
+
+
+def _bias_before_norm(ctx: Context, model: nn.Module) -> dict[str, str]:
+    """`{bias name: norm name}` for each Linear/Conv bias whose output feeds a BatchNorm or
+    InstanceNorm directly (one forward with hooks)."""
+    made: dict[int, tuple[str, torch.Tensor]] = {}  # id(output) -> (bias name, output kept alive)
+    found: dict[str, str] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, _BIASED) and m.bias is not None:
+            label = f"{name}.bias"
+
+            def made_by(mod: nn.Module, a: Any, out: Any, label: str = label) -> None:
+                made[id(out)] = (label, out)
+
+            handles.append(m.register_forward_hook(made_by))
+        elif isinstance(m, STAT_NORMS):
+
+            def fed(mod: nn.Module, a: Any, label: str = name) -> None:
+                if a and id(a[0]) in made:
+                    found[made[id(a[0])][0]] = label
+
+            handles.append(m.register_forward_pre_hook(fed))
+    ctx.forward_once(model, handles)
+    return found
+
+
+OPTIMIZER = Check(
+    "optimizer",
+    (
+        Kind("parameter_not_in_optimizer", "a trainable parameter the optimizer does not hold"),
+        Kind("frozen_parameter_in_optimizer", "a step moves a parameter with requires_grad=False"),
+        Kind("duplicate_parameter", "one tensor appears twice in the optimizer's groups"),
+        Kind(
+            "weight_decay_on_norm_or_bias",
+            "weight decay applies to norm weights or biases (info)",
+        ),
+    ),
+    check_optimizer,
+)
+
+
+LEARNING = Check(
+    "learning",
+    (
+        Kind("unused_parameter", "a parameter with requires_grad receives no gradient"),
+        Kind("params_unchanged", "a parameter the optimizer holds does not change in a step"),
+    ),
+    check_learning,
+)
