@@ -223,6 +223,22 @@ def test_a_run_clears_every_dead_writers_temporary_and_nothing_else(tmp_path, ca
     assert [p.read_bytes() for p in kept] == [b"mine"] * len(kept)
 
 
+def test_the_line_counts_bytes_of_sparse_files_too_and_names_the_folder(
+    tmp_path, caplog, monkeypatch
+) -> None:
+    pid, start = _dead_writer()
+    for name, size in (("train.bin", 120_000_000), ("val.bin", 400_000), ("meta.json", 7)):
+        with (tmp_path / _name(name, pid, start)).open("wb") as f:
+            f.truncate(size)  # sparse: no disk is used
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.INFO)
+    assert remove_stale(".") == (3, 120_400_007)
+    assert _said(caplog) == [
+        "removed 3 stale temporaries (120.4 MB) left by an interrupted run in the current folder"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_links_fifos_and_other_kinds_are_never_removed(tmp_path) -> None:
     pid, start = _dead_writer()
     victim = tmp_path / "victim"

@@ -152,12 +152,12 @@ def _writer_gone(name: str) -> bool:
     return now is None or ("x" not in (now, found["start"]) and now != found["start"])
 
 
-def _bytes(entry: os.DirEntry[str]) -> int:
+def _bytes(path: str, st: os.stat_result) -> int:
     """Bytes of a file, or of the files under a directory (links not followed)."""
-    if not entry.is_dir(follow_symlinks=False):
-        return entry.stat(follow_symlinks=False).st_size
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
     total = 0
-    for top, _, names in os.walk(entry.path):
+    for top, _, names in os.walk(path):
         for name in names:
             with contextlib.suppress(OSError):
                 total += os.lstat(os.path.join(top, name)).st_size
@@ -175,10 +175,13 @@ def sweep(folder: str | Path) -> tuple[int, int]:
     for entry in entries:
         if not _writer_gone(entry.name):
             continue
-        st = entry.stat(follow_symlinks=False)
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:  # gone already
+            continue
         if st.st_uid != os.geteuid() or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             continue  # isotrain makes neither links nor FIFOs, nor files of other users
-        n = _bytes(entry)
+        n = _bytes(entry.path, st)
         if stat.S_ISDIR(st.st_mode):
             shutil.rmtree(entry.path, ignore_errors=True)
         else:
@@ -208,9 +211,10 @@ def remove_stale(folder: str | Path, *inside: str) -> tuple[int, int]:
     count, size = sum(c for c, _ in found), sum(b for _, b in found)
     if count:
         what = "temporary" if count == 1 else "temporaries"
+        where = "the current folder" if Path(folder) == Path() else folder
         log.info(
             "removed %d stale %s (%s) left by an interrupted run in %s",
-            count, what, _amount(size), folder,
+            count, what, _amount(size), where,
         )  # fmt: skip
     return count, size
 
