@@ -38,7 +38,6 @@ from typing import BinaryIO
 from isotrain.train.fields import ConfigError
 
 __all__ = [
-    "TEMP_MARK",
     "PlantedPathError",
     "check_regular",
     "make_dir",
@@ -54,7 +53,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-TEMP_MARK = ".isotrain-tmp."
+_MARK = ".isotrain-tmp."
 _NAME_KEPT = 120  # of a final name, in its temporary's: room for the rest within 255 bytes
 _TEMP = re.compile(
     r"\.(?P<name>.+)\.isotrain-tmp\.(?P<space>[0-9a-f]{8})\.(?P<pid>[1-9][0-9]{0,9})"
@@ -140,7 +139,7 @@ def temp_name(name: str) -> str:
     """The start of the name of a temporary for the final name `name`, written by this
     process: `.<name>.isotrain-tmp.<space>.<pid>.<start>.`; random letters follow."""
     pid = os.getpid()
-    return f".{name[:_NAME_KEPT]}{TEMP_MARK}{_space()}.{pid}.{_start_of(pid) or 'x'}."
+    return f".{name[:_NAME_KEPT]}{_MARK}{_space()}.{pid}.{_start_of(pid) or 'x'}."
 
 
 def _writer_gone(name: str) -> bool:
