@@ -118,7 +118,7 @@ TRAIN = [  # (file under the new run, tokenizer, expected outcome)
     ("tokenizer.json", "bytes", "link removed"),  # a bytes run removes a stale tokenizer.json
 ]
 # The names isotrain's temporaries once had (a planted one was written through): today's
-# are new names from `tempfile`, so these are never opened, and leftovers are removed.
+# name their writer, so these are never opened, and never removed (nothing says they are ours).
 OLD_TEMPORARIES = (
     ".tokenizer.json.tmp",
     ".config.toml.tmp{pid}",
@@ -156,7 +156,7 @@ def test_train_never_opens_old_temporary_names(tmp_path, capsys, kind) -> None:
     before = _tree(outside)
     rc, err = _train(run, capsys, *BPE)
     _check(rc, err, "train", "ok", outside, before)
-    assert [p for p in planted if os.path.lexists(p)] == []
+    assert [p for p in planted if not os.path.lexists(p)] == []
 
 
 RESUME = [  # (file under a run that resumes, expected outcome)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from isotrain.train.cli.main import main
+from isotrain.train.files import temp_name
 from isotrain.train.rundir.lock import LOCK_FILE
 from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.rundir.snapshot import load_snapshot
@@ -197,10 +198,13 @@ def test_no_temporary_survives_a_run_even_after_a_killed_one(tmp_path) -> None:
     run = tmp_path / "run"
     assert _train(run, "--steps", "2") == 0
     assert _hidden(run) == []
+    writer = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], text=True,
+                            capture_output=True, check=True)  # fmt: skip
+    dead = temp_name("x").split(".")[3] + f".{writer.stdout.strip()}.1.abcd_123"
     snaps = run / "snapshots"  # what a SIGKILL at the worst moments leaves behind
-    (snaps / ".tmp_step_0000003_4242" / "shards").mkdir(parents=True)
-    (snaps / ".LATEST.tmp4242").write_text("step_0000003")
-    (run / ".metrics.jsonl.tmp4242").write_text("{}")
+    (snaps / f".step_0000003.isotrain-tmp.{dead}" / "shards").mkdir(parents=True)
+    (snaps / f".LATEST.isotrain-tmp.{dead}").write_text("step_0000003")
+    (run / f".metrics.jsonl.isotrain-tmp.{dead}").write_text("{}")
     (run / LOCK_FILE).write_text("4242\n")
     assert _train(run, "--steps", "4") == 0
     assert _hidden(run) == []

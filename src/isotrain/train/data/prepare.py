@@ -27,7 +27,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from isotrain.train.data.batches import token_dtype
 from isotrain.train.data.sources import META_FILE, DataError, find_files, is_val_file
 from isotrain.train.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from isotrain.train.files import check_regular, make_dir, new_file
+from isotrain.train.files import check_regular, make_dir, new_file, remove_stale
 
 __all__ = ["Part", "plan_parts", "prepare"]
 
@@ -290,6 +290,7 @@ def prepare(
     parts = plan_parts(files, val_files, val_fraction)
     created = not root.exists()
     make_dir(root, follow=True)  # the folder the user named; its files are never followed
+    remove_stale(root)  # what a killed prepare left
     try:
         with _progress(progress) as bar, contextlib.ExitStack() as opened:
             tok = _tokenizer(tokenizer, vocab_size, parts, text_field, bpe_train_bytes, bar)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from isotrain.train.config import TrainConfig
-from isotrain.train.files import PlantedPathError, replace_file
+from isotrain.train.files import PlantedPathError, remove_stale, replace_file
 from isotrain.train.precision.capability import device_name
 from isotrain.train.precision.modes import MODES
 
@@ -89,6 +89,7 @@ def write_entry(path: Path, key: str, entry: dict[str, Any]) -> None:
     data[key] = entry
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path.parent)  # what a write killed mid-way left
         replace_file(path, json.dumps(data, indent=1, sort_keys=True))
     except (OSError, PlantedPathError) as e:  # a read-only home must not stop training
         log.warning("could not cache the precision probe in %s (%s)", path, e)

@@ -17,9 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from isotrain.train.data.tokenizer import RUN_TOKENIZER
 from isotrain.train.fields import ConfigError, to_toml
-from isotrain.train.files import check_regular, remove_leftover, replace_file
+from isotrain.train.files import check_regular, replace_file
 from isotrain.train.rundir.metrics import METRICS_FILE
 from isotrain.train.rundir.writes import append_line, writing
 
@@ -268,9 +267,6 @@ def write_config_file(run_dir: Path, config: Any) -> Path:
     path = run_dir / CONFIG_FILE
     text = "# The resolved settings of this run: isotrain train --config FILE reads them back.\n"
     with writing(path, run_dir):
-        for name in (CONFIG_FILE, METRICS_FILE, RUN_TOKENIZER):  # what a killed run left
-            for stale in run_dir.glob(f".{name}.tmp*"):
-                remove_leftover(stale)
         _replace(path, text + to_toml(config))
     return path
 

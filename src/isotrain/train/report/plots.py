@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from isotrain.train.files import make_dir, new_file
+from isotrain.train.files import make_dir, new_file, remove_stale
 from isotrain.train.rundir.metrics import read_metrics
 
 __all__ = ["clusters", "loss_figure", "plot_run", "resumes", "skips", "summarize_run"]
@@ -119,6 +119,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     out = Path(run_dir) if out_dir is None else Path(out_dir) / Path(run_dir).resolve().name
     fresh = not out.exists()
     out = make_dir(out, follow=True)  # a folder the user named; files in it are never followed
+    remove_stale(out)  # what a killed plot left
     try:
         return _draw(plt, records, run_dir, out)
     except BaseException:  # a full disk: a folder this call made goes again, with what it holds

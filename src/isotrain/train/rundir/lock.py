@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from isotrain.train.config import ConfigError
-from isotrain.train.files import PlantedPathError, open_regular
+from isotrain.train.files import PlantedPathError, open_regular, remove_stale
 from isotrain.train.parallel import DistInfo, any_rank
 from isotrain.train.rundir.writes import WriteError, writing
 
@@ -83,7 +83,8 @@ def _release(run_dir: Path, fd: int) -> None:
 
 @contextlib.contextmanager
 def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
-    """Hold `run_dir`'s lock for the block (rank 0 takes it; every rank learns the outcome)."""
+    """Hold `run_dir`'s lock for the block (rank 0 takes it; every rank learns the outcome),
+    after removing the temporaries a killed run left in it and in its snapshots."""
     run_dir, fd, error = Path(run_dir), None, None
     created = not run_dir.exists()  # removed again if the run stops before writing anything
     if info.is_main:
@@ -96,6 +97,8 @@ def lock_run(run_dir: str | Path, info: DistInfo) -> Iterator[None]:
     try:
         if error is not None:
             raise error
+        if fd is not None:
+            remove_stale(run_dir, "snapshots")
         yield
     finally:
         if fd is not None:

@@ -24,7 +24,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from isotrain.contexts import capture_rng_state, restore_rng_state
 from isotrain.train.config import ConfigError, TrainConfig, flag
 from isotrain.train.fields import flag_value, hints, matches
-from isotrain.train.files import check_regular, remove_leftover, replace_file
+from isotrain.train.files import check_regular, replace_file
 from isotrain.train.rundir.integrity import SnapshotError, check_payload, one_line
 from isotrain.train.rundir.metrics import METRICS_FILE, metric_lines
 from isotrain.train.rundir.sharded import (
@@ -213,8 +213,6 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop records a crashed run wrote after the snapshot it resumes from, and any line a
     crash or a full disk cut short."""
     path = run_dir / METRICS_FILE
-    for stale in run_dir.glob(f".{METRICS_FILE}.tmp*"):  # a rewrite a crash cut short
-        remove_leftover(stale)
     if not check_regular(path):
         return
     lines, torn = metric_lines(path)

@@ -17,7 +17,6 @@ items without running code (`safe_dcp.py`).
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -28,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from isotrain.train.config import ConfigError
-from isotrain.train.files import remove_leftover
+from isotrain.train.files import new_dir
 from isotrain.train.rundir.integrity import SnapshotError, one_line
-from isotrain.train.rundir.snapshot import SHARDS, open_shards, publish, snapshots_dir, temp_dir
+from isotrain.train.rundir.snapshot import SHARDS, open_shards, publish, snapshots_dir
 from isotrain.train.rundir.writes import write_error, writing
 
 __all__ = [
@@ -115,16 +114,14 @@ def save_sharded(
 
     rank, world = _world()
     root = snapshots_dir(run_dir)
-    token = [os.getpid()]  # rank 0 names the temporary directory that every rank writes into
-    if world > 1:
-        dist.broadcast_object_list(token, src=0)
-    tmp = temp_dir(root, step, token[0])
+    made = [""]  # rank 0 makes the temporary directory that every rank writes into
     if rank == 0:
-        with writing(tmp, run_dir):
+        with writing(f"the snapshot of step {step}", run_dir):
             root.mkdir(parents=True, exist_ok=True)
-            remove_leftover(tmp)
-            tmp.mkdir()
-    barrier()
+            made[0] = new_dir(root / f"step_{step:07d}").name
+    if world > 1:
+        dist.broadcast_object_list(made, src=0)
+    tmp = root / made[0]
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:  # DCP agrees on failures across ranks: every rank raises if one could not write
         save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=tmp / SHARDS)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from isotrain.train.files import new_file, remove_leftover, replace_file
+from isotrain.train.files import new_dir, new_file, replace_file
 from isotrain.train.rundir.integrity import (
     SNAPSHOT_NAME,
     SnapshotError,
@@ -52,7 +52,6 @@ __all__ = [
     "publish",
     "save_snapshot",
     "snapshots_dir",
-    "temp_dir",
 ]
 
 FORMAT_VERSION = 2  # 2: meta.json lists the sha256 of every file (1: of state.pt only)
@@ -95,17 +94,10 @@ def save_snapshot(
 ) -> Path:
     """Write `payload` as the snapshot of `step`; update LATEST (and BEST); prune old ones."""
     root = snapshots_dir(run_dir)
-    tmp = temp_dir(root, step, os.getpid())
-    with writing(tmp, run_dir):
+    with writing(f"the snapshot of step {step}", run_dir):
         root.mkdir(parents=True, exist_ok=True)
-        remove_leftover(tmp)
-        tmp.mkdir()
+        tmp = new_dir(root / f"step_{step:07d}")
     return publish(tmp, payload, step=step, val_loss=val_loss, keep=keep)
-
-
-def temp_dir(root: Path, step: int, token: int) -> Path:
-    """Where the snapshot of `step` is written before `publish` renames it into place."""
-    return root / f".tmp_step_{step:07d}_{token}"
 
 
 def _complete(tmp: Path, payload: dict[str, Any], *, step: int, val_loss: float | None) -> None:
@@ -177,15 +169,18 @@ def _val_loss(snap: Path) -> float | None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` snapshots and the best one; remove the rest and every leftover
-    temporary (the run directory's lock makes this process its only writer)."""
+    """Keep the newest `keep` snapshots and the best one; remove the rest, each renamed to a
+    temporary first: a reader sees it whole or not at all, and a kill mid-way leaves a
+    temporary the next run removes."""
     protected = {read_pointer(root / "BEST"), read_pointer(root / "LATEST")}
     for snap in find_snapshots(root.parent)[:-keep]:
-        if snap.name not in protected:  # renamed first: a reader sees it whole or not at all
+        if snap.name not in protected:
             with contextlib.suppress(OSError):
-                os.replace(snap, temp_dir(root, _step(snap), os.getpid()))
-    for stale in [*root.glob(".tmp_*"), *root.glob(".*.tmp*")]:
-        remove_leftover(stale)
+                gone = new_dir(snap)
+                try:
+                    os.replace(snap, gone)  # onto the empty directory new_dir made
+                finally:
+                    shutil.rmtree(gone, ignore_errors=True)
 
 
 def _step(snap: Path) -> int:

@@ -20,7 +20,7 @@ from isotrain.train.data.tokenizer import (
     byte_level_json,
     run_tokenizer,
 )
-from isotrain.train.files import make_dir, new_path, replace_file
+from isotrain.train.files import make_dir, new_path, remove_stale, replace_file
 from isotrain.train.model.gpt import GPT
 from isotrain.train.model.hf import gpt2_config, to_gpt2_state
 from isotrain.train.rundir.snapshot import load_snapshot
@@ -40,6 +40,7 @@ def export_safetensors(model: GPT, out: str | Path, tokenizer: Tokenizer | None 
     """Write `model`'s weights, its config and its tokenizer (as metadata) to `out`."""
     out = Path(out)
     make_dir(out.parent, follow=True)
+    remove_stale(out.parent)  # what a killed export left
     meta = {
         "isotrain_model_config": json.dumps(model.cfg.__dict__),
         "isotrain_tokenizer": tokenizer_metadata(tokenizer or ByteTokenizer()),
@@ -74,6 +75,7 @@ def export_hf(model: GPT, folder: str | Path, tokenizer: Tokenizer | None = None
     write (a full disk) removes what this call wrote, the folder too if it made it."""
     created = not Path(folder).exists()
     root = make_dir(folder)  # a link planted there (to another model's folder) is refused
+    remove_stale(root)
     written: list[Path] = []
     try:
         with new_path(root / "model.safetensors") as tmp:
