@@ -12,6 +12,7 @@ are parsed). Each command's optional packages must be installed by `make train` 
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -256,3 +257,42 @@ def test_the_pages_walk_through_in_one_directory_after_make_train(
         "runs", "plots", "model.safetensors", "my-gpt", "data", "wandb-home",
         "notes", "src", "corpus", "tests", "gpt2", "models", "nanoGPT", "examples", "doctor.json",
     }  # fmt: skip
+
+
+def inline_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv) of each command the pages' prose quotes with its flags: a benchmark script
+    (`python benchmarks/bench_mfu.py --rounds 40`) or `isotrain train` with concrete values."""
+    out = []
+    for page in guides.PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M).replace("\n", " ")
+        for command in re.findall(r"`((?:python benchmarks/|isotrain train )[^`]*)`", text):
+            words = shlex.split(command)
+            if "--" in command and not any(w.isupper() or "..." in w for w in words):
+                out.append((guides.name(page), words))
+    return out
+
+
+def _declared_flags(script: Path) -> set[str]:
+    """The option strings a benchmark script's parser declares (`add_argument("--x", ...)`)."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+    ]
+    return {a.value for c in calls for a in c.args if isinstance(a, ast.Constant)}
+
+
+def test_the_commands_quoted_in_prose_parse() -> None:
+    """A benchmark's flags are ones its script declares; an `isotrain train` command parses."""
+    commands = inline_commands()
+    assert sum(argv[0] == "python" for _, argv in commands) >= 5
+    assert any(argv[0] == "isotrain" for _, argv in commands)
+    for page, argv in commands:
+        if argv[0] == "python":
+            flags = {w for w in argv[2:] if w.startswith("--")}
+            unknown = flags - _declared_flags(ROOT / argv[1])
+            assert not unknown, f"{page}: {' '.join(argv)}: {argv[1]} has no {sorted(unknown)}"
+        elif "--nproc-per-node" in argv:
+            parse_train_args(nproc_per_node(argv[2:])[1])
+        else:
+            parse_train_args(argv[2:])
