@@ -239,3 +239,29 @@ def test_the_readme_is_a_front_page_into_every_guide() -> None:
     assert len(readme.splitlines()) <= 300
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(readme)}
     assert [guides.name(p) for p in guides.PAGES[1:] if p.resolve() not in linked] == []
+
+
+# The blocks that are neither code nor commands, and the test that reads each.
+CHECKED_ELSEWHERE = {
+    ("README.md", "text", "The doctor"): "tests/doctor/test_doctor_readme.py",
+    ("docs/doctor.md", "text", "The doctor"): "tests/doctor/test_doctor_readme.py",
+    ("docs/ranks.md", "text", "Across ranks"): "tests/doctor/test_ranks.py",
+    ("docs/ranks.md", "text", "The Monitor"): "tests/train/test_distributed.py",
+    ("docs/layout.md", "", "Layout"): "tests/test_layout.py",
+}
+
+
+def test_every_block_of_every_page_is_one_the_suite_checks() -> None:
+    """python blocks run (test_readme_python.py), bash blocks run (train/test_readme.py), and
+    every other block is read by a test of its own: a new kind of block needs one."""
+    unchecked = []
+    for page in guides.PAGES:
+        for block in guides.blocks(page):
+            where = (guides.name(page), block.lang)
+            claimed = [k for k in CHECKED_ELSEWHERE if k[:2] == where]
+            if block.lang not in ("python", "bash") and not any(
+                block.section.startswith(k[2]) for k in claimed
+            ):
+                unchecked.append((*where, block.section))
+    assert unchecked == []
+    assert all((ROOT / test).is_file() for test in CHECKED_ELSEWHERE.values())
