@@ -2,7 +2,9 @@
 # TORCH may carry pip options: make train TORCH="torch==2.13.0 --index-url URL"; every later
 # pip call is constrained to the torch it installed (torch-pin.txt), so no extra pulls another.
 # `make train` installs what training and its follow-ups need (plots, export); test, lint, docs
-# and bench add the dev tools. `make sample|plot|report|export` act on RUN (default runs/default).
+# and bench add the dev tools (the `docs` extra among them: mkdocs, material, mkdocstrings).
+# `make docs` builds the guide and API reference into site/. `make sample|plot|report|export`
+# act on RUN (default runs/default).
 # `make train ARGS="--steps 2000"` passes flags through to `isotrain train`.
 # `make lint`: ruff (style) and mypy (strict types on src/isotrain).
 TORCH ?= torch==2.13.0
@@ -58,7 +60,7 @@ bench: $(DEV_STAMP)
 	$(PY) benchmarks/run_all.py
 
 docs: $(DEV_STAMP)
-	$(PY) tools/build_docs.py -o docs
+	$(PY) tools/build_docs.py
 
 clean:
-	rm -rf $(VENV) build dist docs *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -1,5 +1,6 @@
-"""The public API is documented: every name has a docstring with an example, and the pdoc
-HTML reference (tools/build_docs.py, `make docs`) builds and shows every name."""
+"""The public API is documented: every name has a docstring with an example; the site
+(tools/build_docs.py, `make docs`) builds strict and offline and shows every name; every link of
+the README resolves; and the figures of the README and the guide come from committed results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import re
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+import pytest
+from tests import guides
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "tools"
@@ -111,46 +115,153 @@ def test_doc_problem_catches_each_kind() -> None:
     assert "comes from torch" in (doc_problem(importlib.import_module("torch").nn.Linear) or "")
 
 
-def test_build_docs_writes_every_public_name(tmp_path: Path, capsys) -> None:
-    build_docs = load_build_docs()
-    out = tmp_path / "api"
-    assert build_docs.main(["-o", str(out)]) == 0
-    assert "HTML files" in capsys.readouterr().out
-    assert (out / "index.html").is_file()
-    assert not (out / "isotrain" / "train").exists()
-    missing = []
-    for module_name, names in build_docs.public_api().items():
-        page = out.joinpath(*module_name.split(".")).with_suffix(".html")
-        assert page.is_file(), f"pdoc wrote no page for {module_name}"
-        html = page.read_text(encoding="utf-8")
-        missing += [f"{module_name}.{n}" for n in names if f'id="{n}"' not in html]
-    assert not missing, f"names absent from the HTML reference: {missing}"
-    assert "view-source" in (out / "isotrain" / "guard.html").read_text(encoding="utf-8")
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as `make docs` builds it (strict: a warning fails the build)."""
+    out = tmp_path_factory.mktemp("site")
+    assert load_build_docs().main(["-o", str(out)]) == 0
+    return out
 
 
-def test_readme_layout_names_every_package_and_module() -> None:
-    """The README's layout block and the source tree agree, in both directions."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+def test_the_site_shows_every_public_name(site: Path) -> None:
+    assert (site / "index.html").is_file() and (site / "search" / "search_index.js").is_file()
+    api_pages = {p.stem for p in (site / "api").glob("*.html")}
+    assert "train" not in api_pages  # the trainer is not library API
+    html = "".join(p.read_text(encoding="utf-8") for p in (site / "api").glob("*.html"))
+    objects = public_objects()
+    missing = [k for k in objects if f'id="{k}"' not in html]
+    assert len(objects) > 50 and not missing, f"names absent from the API reference: {missing}"
+
+
+def test_the_site_loads_nothing_from_elsewhere(site: Path) -> None:
+    """Offline: every script, style sheet, font and image a page loads is in the site."""
+    loads = re.compile(r"<(?:script|link|img|iframe)\b[^>]*?\b(?:src|href)=\"([^\"]+)\"")
+    outside = set()
+    for page in site.rglob("*.html"):
+        outside |= {u for u in loads.findall(page.read_text(encoding="utf-8")) if "//" in u}
+    assert outside == set()
+    css = "".join(p.read_text(encoding="utf-8") for p in site.rglob("*.css"))
+    assert "fonts.googleapis" not in css and "@import url(http" not in css
+
+
+def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
+    from mkdocs.exceptions import Abort
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# Home\n\n## Here\n\n[fine](#here) [gone](other.md#there)\n")
+    (docs / "other.md").write_text("# Other\n")
+    build = load_build_docs().build
+    pages = ["index.md", "other.md"]
+    with pytest.raises(Abort, match="1 warnings"):
+        build(tmp_path / "site", docs_dir=str(docs), nav=pages, plugins=["search"])
+    (docs / "other.md").write_text("# Other\n\n## There\n")
+    assert len(build(tmp_path / "site", docs_dir=str(docs), nav=pages, plugins=["search"])) >= 2
+
+
+def test_the_layout_names_every_package_and_module() -> None:
+    """The guide's layout block (docs/layout.md) and the source tree agree, in both directions."""
+    (block,) = [b.code for b in guides.blocks(guides.DOCS / "layout.md") if b.lang == ""]
     src = ROOT / "src" / "isotrain"
     named = set(re.findall(r"src/isotrain/([\w/.]+)", block))
     for entry in named:
-        assert (src / entry).exists(), f"README layout names src/isotrain/{entry}: missing"
+        assert (src / entry).exists(), f"docs/layout.md names src/isotrain/{entry}: missing"
     tops = {p.name + ("/" if p.is_dir() else "") for p in src.iterdir() if p.name != "__pycache__"}
     tops -= {"py.typed", "__main__.py"}
-    assert tops <= named, f"not in the README layout: {sorted(tops - named)}"
+    assert tops <= named, f"not in docs/layout.md: {sorted(tops - named)}"
     train = {p.name for p in (src / "train").glob("*.py") if p.name != "__init__.py"}
     assert all(name in block for name in train), sorted(n for n in train if n not in block)
 
 
-def test_readme_figures_come_from_committed_results() -> None:
-    """Every interval the README quotes is printed verbatim in a committed results file, and
-    every benchmark script and results path it names exists: no number without its source."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_figures_come_from_committed_results() -> None:
+    """Every interval the README and the guide quote is printed verbatim in a committed results
+    file, and every benchmark script and results path they name exists: no number without its
+    source."""
+    text = "".join(page.read_text(encoding="utf-8") for page in guides.PAGES)
     results = ROOT / "benchmarks" / "results"
     printed = "".join(p.read_text(encoding="utf-8") for p in results.glob("*/*.md"))
-    intervals = re.findall(r"\[-?\d+(?:\.\d+)?, -?\d+(?:\.\d+)?\]", readme)
-    assert len(intervals) >= 20, "the README's benchmark tables lost their intervals"
+    intervals = re.findall(r"\[-?\d+(?:\.\d+)?, -?\d+(?:\.\d+)?\]", text)
+    assert len(intervals) >= 20, "the guide's benchmark tables lost their intervals"
     assert [i for i in intervals if i not in printed] == []
-    paths = set(re.findall(r"benchmarks/(?:results/[\w./-]*\w|[\w]+\.py)", readme))
+    paths = set(re.findall(r"benchmarks/(?:results/[\w./-]*\w|[\w]+\.py)", text))
     assert [p for p in sorted(paths) if not (ROOT / p).exists()] == []
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(page: Path) -> str:
+    """A page's text without its fenced blocks (code may hold brackets that are no links)."""
+    text, out, in_code = page.read_text(encoding="utf-8"), [], False
+    for line in text.splitlines():
+        in_code ^= line.startswith("```")
+        if not in_code and not line.startswith("```"):
+            out.append(line)
+    return "\n".join(out)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.+)$", _prose(page), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        if seen[slug]:
+            seen[f"{slug}-{seen[slug]}"] = 0
+    return set(seen)
+
+
+def test_every_link_of_the_readme_resolves() -> None:
+    """Into the repository only (a test can resolve those offline), to a file or folder that
+    exists, and to a heading of it that exists."""
+    readme = ROOT / "README.md"
+    links = LINK.findall(_prose(readme))
+    assert len(links) >= 15
+    broken = []
+    for target in links:
+        path, _, anchor = target.partition("#")
+        dest = (readme.parent / path).resolve() if path else readme
+        inside = dest.exists() and (dest == ROOT or ROOT in dest.parents)
+        if "://" in target or not inside or (anchor and anchor not in anchors(dest)):
+            broken.append(target)
+    assert broken == []
+
+
+def test_anchors_are_read_as_github_writes_them(tmp_path: Path) -> None:
+    page = tmp_path / "p.md"
+    page.write_text("# Across ranks\n```\n# not a heading\n```\n## 1. `x`: y, z\n## Across ranks\n")
+    assert anchors(page) == {"across-ranks", "1-x-y-z", "across-ranks-1"}
+
+
+def test_the_readme_is_a_front_page_into_every_guide() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 300
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in LINK.findall(readme)}
+    assert [guides.name(p) for p in guides.PAGES[1:] if p.resolve() not in linked] == []
+
+
+# The blocks that are neither code nor commands, and the test that reads each.
+CHECKED_ELSEWHERE = {
+    ("README.md", "text", "The doctor"): "tests/doctor/test_doctor_readme.py",
+    ("docs/doctor.md", "text", "The doctor"): "tests/doctor/test_doctor_readme.py",
+    ("docs/ranks.md", "text", "Across ranks"): "tests/doctor/test_ranks.py",
+    ("docs/ranks.md", "text", "The Monitor"): "tests/train/test_distributed.py",
+    ("docs/layout.md", "", "Layout"): "tests/test_layout.py",
+}
+
+
+def test_every_block_of_every_page_is_one_the_suite_checks() -> None:
+    """python blocks run (test_readme_python.py), bash blocks run (train/test_readme.py), and
+    every other block is read by a test of its own: a new kind of block needs one."""
+    unchecked = []
+    for page in guides.PAGES:
+        for block in guides.blocks(page):
+            where = (guides.name(page), block.lang)
+            claimed = [k for k in CHECKED_ELSEWHERE if k[:2] == where]
+            if block.lang not in ("python", "bash") and not any(
+                block.section.startswith(k[2]) for k in claimed
+            ):
+                unchecked.append((*where, block.section))
+    assert unchecked == []
+    assert all((ROOT / test).is_file() for test in CHECKED_ELSEWHERE.values())

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.guides import blocks
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PATTERNS = ("autograd", "checkpointing", "guard", "compile", "contexts")
@@ -116,7 +117,7 @@ def test_integrations_import_public_packages_and_their_frameworks_only() -> None
 
 
 # The trainer's rooms (sub-packages) and top-level modules, from the top of the import graph
-# down: each may import only what stands below it. Read the README's layout section with it.
+# down: each may import only what stands below it. Read docs/layout.md with it.
 TRAINER_ORDER = (
     "cli", "loop", "watch", "inputs", "weights", "report", "step", "update", "rundir", "state",
     "precision", "parallel", "config", "model", "data", "environment", "files", "fields",
@@ -155,9 +156,10 @@ def test_each_trainer_room_says_what_it_owns() -> None:
             assert doc and len(doc.split()) > 20, f"{init}: no docstring saying what it owns"
 
 
-def test_the_readme_layout_names_only_paths_that_exist() -> None:
-    readme = (SRC.parent / "README.md").read_text()
-    block = readme.split("## Layout", 1)[1].split("```", 2)[1]
+def test_the_layout_page_names_only_paths_that_exist() -> None:
+    """The layout for contributors (docs/layout.md, its one unlabelled block) names only paths
+    that exist, and every module and room of the trainer."""
+    (block,) = [b.code for b in blocks(SRC.parent / "docs" / "layout.md") if b.lang == ""]
     base, named = None, []
     for line in block.splitlines():
         head = line.split("  ")[0].strip() if not line.startswith(" ") else ""
@@ -169,14 +171,14 @@ def test_the_readme_layout_names_only_paths_that_exist() -> None:
             named += [base + w for w in words if w.endswith((".py", "/"))]
     assert len(named) > 20
     missing = [n for n in named if not (SRC.parent / n).exists()]
-    assert not missing, f"README layout names paths that do not exist: {missing}"
+    assert not missing, f"docs/layout.md names paths that do not exist: {missing}"
     trainer = {p.name for p in (SRC / "isotrain" / "train").iterdir() if p.suffix == ".py"}
     rooms = {p.name + "/" for p in (SRC / "isotrain" / "train").iterdir() if p.is_dir()}
     listed = {n.rsplit("/", 2)[-1] or n.rsplit("/", 2)[-2] + "/" for n in named}
     unlisted = (trainer - {"__init__.py"} | rooms - {"__pycache__/"}) - listed
-    assert not unlisted, f"README layout leaves out {sorted(unlisted)}"
+    assert not unlisted, f"docs/layout.md leaves out {sorted(unlisted)}"
     doctor = {f"src/isotrain/doctor/{room}/" for room in DOCTOR_ROOMS}
-    assert doctor <= set(named), f"README layout leaves out {sorted(doctor - set(named))}"
+    assert doctor <= set(named), f"docs/layout.md leaves out {sorted(doctor - set(named))}"
 
 
 # The doctor's rooms: each may import only the rooms named here (and itself); the families of

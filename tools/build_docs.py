@@ -1,26 +1,29 @@
-"""Build isotrain's HTML API reference with pdoc.
+"""Build isotrain's documentation site: the guides in docs/ and the API reference.
 
-    .venv/bin/python tools/build_docs.py                  # -> docs/index.html
-    .venv/bin/python tools/build_docs.py -o /tmp/api --no-source --with-train
+    .venv/bin/python tools/build_docs.py             # -> site/index.html (make docs)
+    .venv/bin/python tools/build_docs.py -o /tmp/site
 
-Documents the package page (``isotrain.__all__``) and every public pattern module
-(``isotrain.autograd``, ``isotrain.guard``, ...), each by its ``__all__``. The reference trainer
-``isotrain.train`` is an application of the patterns, not library API: it is left out unless
-``--with-train`` is given.
+mkdocs with the material theme (mkdocs.yml); the API reference (docs/api/) is rendered by
+mkdocstrings from the docstrings of the package page and of every public module, each by its
+``__all__``. The reference trainer ``isotrain.train`` is an application of the patterns, not
+library API: it has no page. The build is strict (a broken link or anchor, or a reference that
+does not resolve, fails it) and offline: no web fonts, no script or style from elsewhere, and the
+search works from the files on disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
-import warnings
 from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUTPUT = ROOT / "docs"
+CONFIG = ROOT / "mkdocs.yml"
+DEFAULT_OUTPUT = ROOT / "site"
 
 
 def _import_isotrain() -> ModuleType:
@@ -49,43 +52,31 @@ def public_api(*, include_train: bool = False) -> dict[str, list[str]]:
         module = importlib.import_module(name)
         exported = getattr(module, "__all__", None)
         if exported is None:
-            raise ValueError(f"{name} has no __all__: list its public names so pdoc shows them")
+            raise ValueError(f"{name} has no __all__: list its public names so the docs show them")
         api[name] = [n for n in exported if not (n.startswith("__") and n.endswith("__"))]
     return api
 
 
-def build(
-    output: str | Path = DEFAULT_OUTPUT, *, show_source: bool = True, include_train: bool = False
-) -> list[Path]:
-    """Render the HTML reference into ``output``; returns the written HTML files."""
-    import pdoc
-    import pdoc.render
+def build(output: str | Path = DEFAULT_OUTPUT, **overrides: object) -> list[Path]:
+    """Render the site into ``output``; returns its HTML files. ``overrides`` replace settings
+    of mkdocs.yml (``docs_dir=...``); a warning aborts the build (strict)."""
+    # Material prints a notice about its successor on import unless this is set: a build
+    # with no warning must print none.
+    os.environ.setdefault("NO_MKDOCS_2_WARNING", "1")
+    from mkdocs.commands.build import build as mkdocs_build
+    from mkdocs.config import load_config
 
-    output = Path(output)
-    modules = public_modules(include_train=include_train)
-    version = getattr(importlib.import_module("isotrain"), "__version__", "")
-    pdoc.render.configure(
-        docformat="restructuredtext",  # the docstrings' ``code`` and "Example::" blocks
-        show_source=show_source,
-        footer_text=f"isotrain {version}",
-        search=True,
-    )
-    with warnings.catch_warnings():
-        # pdoc warns about objects it cannot inspect (e.g. C-implemented torch members)
-        warnings.simplefilter("ignore")
-        pdoc.pdoc(*modules, output_directory=output)
-    return sorted(output.rglob("*.html"))
+    config = load_config(str(CONFIG), site_dir=str(output), strict=True, **overrides)
+    mkdocs_build(config)
+    return sorted(Path(output).rglob("*.html"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Build the isotrain API reference (HTML, pdoc).")
+    p = argparse.ArgumentParser(description="Build the isotrain documentation site (mkdocs).")
     p.add_argument("-o", "--output", type=Path, default=DEFAULT_OUTPUT, help="output folder")
-    p.add_argument("--no-source", action="store_true", help="omit the 'view source' blocks")
-    p.add_argument("--with-train", action="store_true", help="also document isotrain.train")
     args = p.parse_args(argv)
-    files = build(args.output, show_source=not args.no_source, include_train=args.with_train)
-    index = args.output / "index.html"
-    print(f"wrote {len(files)} HTML files to {args.output} (open {index})")
+    files = build(args.output)
+    print(f"wrote {len(files)} HTML pages to {args.output} (open {args.output / 'index.html'})")
     return 0
 
 

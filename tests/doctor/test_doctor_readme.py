@@ -1,5 +1,5 @@
-"""The README's doctor section is true: its loop prints the table shown, its fixed loop passes,
-and its list of kinds is the API's."""
+"""The doctor's pages are true: the README's example and the guide's print the tables shown, the
+guide's fixed loop passes, and the guide's list of kinds is the API's."""
 
 from __future__ import annotations
 
@@ -10,19 +10,11 @@ import runpy
 from pathlib import Path
 
 import pytest
+from tests.guides import DOCS, ROOT, fenced, section
 
 from isotrain.doctor import KINDS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def _section() -> str:
-    text = README.read_text()
-    return text.split("## The doctor", 1)[1].split("\n## ", 1)[0]
-
-
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", _section(), flags=re.S)
+README, GUIDE = ROOT / "README.md", DOCS / "doctor.md"
 
 
 def _summary_free(text: str) -> list[str]:
@@ -31,20 +23,31 @@ def _summary_free(text: str) -> list[str]:
     return [*lines[:-1], re.sub(r"in [0-9.]+ s\)", "in ... s)", lines[-1])]
 
 
-def test_the_example_prints_the_table_shown_and_the_fixed_loop_passes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    buggy, fixed, *_ = _blocks("python")
-    (shown,) = _blocks("text")
-    (tmp_path / "doctor_example.py").write_text(buggy)
-    monkeypatch.chdir(tmp_path)  # the table names doctor_example.py:LINE relative to here
+def _run_as_file(code: str, where: Path) -> tuple[str, dict]:
+    """What `python doctor_example.py` prints, run from `where`, and its namespace."""
+    (where / "doctor_example.py").write_text(code)
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with contextlib.chdir(where), contextlib.redirect_stdout(out):
+        # the table names doctor_example.py:LINE relative to here
         namespace = runpy.run_path("doctor_example.py", run_name="__main__")
-    assert _summary_free(out.getvalue()) == _summary_free(shown)
+    return out.getvalue(), namespace
+
+
+@pytest.mark.parametrize(("page", "heading"), [(README, "## The doctor"), (GUIDE, "# The doctor")])
+def test_the_example_prints_the_table_shown(page: Path, heading: str, tmp_path: Path) -> None:
+    text = section(page, heading)
+    buggy = fenced(text, "python")[0]
+    (shown,) = fenced(text, "text")
+    printed, _ = _run_as_file(buggy, tmp_path)
+    assert _summary_free(printed) == _summary_free(shown)
+
+
+def test_the_guide_s_fixed_loop_passes(tmp_path: Path) -> None:
+    buggy, fixed, *_ = fenced(section(GUIDE, "# The doctor"), "python")
+    _, namespace = _run_as_file(buggy, tmp_path)
     exec(compile(fixed, "doctor_example_fixed.py", "exec"), namespace)
 
 
-def test_the_readme_lists_every_kind_once_in_order() -> None:
-    listed = re.findall(r"^- `(\w+)`: ", _section(), flags=re.M)
+def test_the_guide_lists_every_kind_once_in_order() -> None:
+    listed = re.findall(r"^- `(\w+)`: ", section(GUIDE, "# The doctor"), flags=re.M)
     assert listed == list(KINDS)

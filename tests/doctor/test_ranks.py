@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from tests.doctor import zoo, zoo_ranks
+from tests.guides import DOCS, fenced, section
 from tests.worlds import ENV, free_port, join_env
 
 from isotrain.doctor import Monitor, examine
@@ -161,17 +162,14 @@ def _monitored(rank: int, *, faulty: bool, steps: int = 200) -> dict[str, Any]:
     return {"stopped_at": monitor.step, "found": [f.__dict__ for f in found], "first_fault": first}
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
 def _across_ranks_blocks(lang: str) -> list[str]:
-    section = README.read_text().split("## Across ranks", 1)[1].split("\n## ", 1)[0]
-    return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
+    """The ```lang blocks of the guide's page on ranks (docs/ranks.md)."""
+    return fenced(section(DOCS / "ranks.md", "# Across ranks"), lang)
 
 
-def _readme(out: Path) -> dict[str, Any]:
+def _guide(out: Path) -> dict[str, Any]:
     """`isotrain doctor ddp_example.py --checks fast` on every rank, as torchrun runs it: what
-    each rank prints and its exit status, for the README's file and for its fix."""
+    each rank prints and its exit status, for the guide's file and for its fix."""
     from isotrain.train.cli.main import main
 
     example, fixed = _across_ranks_blocks("python")[:2]
@@ -196,7 +194,7 @@ def _worker(rank: int, port: int, out: str) -> None:
             ("cases", _cases), ("all", _correct_setup_under_all_checks),
             ("fsdp", _correct_fsdp2_setup),
             ("silent", lambda: _silent_rank(rank)),
-            ("readme", lambda: _readme(Path(out, f"readme{rank}"))),
+            ("guide", lambda: _guide(Path(out, f"guide{rank}"))),
             ("faulty", lambda: {"faulty": _monitored(rank, faulty=True)}),
             ("sound", lambda: {"sound": _monitored(rank, faulty=False)}),
         ):  # fmt: skip
@@ -307,7 +305,7 @@ def _timing_free(text: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_readme_table_is_what_rank_0_prints_under_torchrun(world) -> None:
+def test_the_guide_s_table_is_what_rank_0_prints_under_torchrun(world) -> None:
     first, other = world
     (shown,) = [b for b in _across_ranks_blocks("text") if b.startswith("SEVERITY")]
     assert _timing_free(first["example_printed"]) == _timing_free(shown)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from tests.guides import DOCS, fenced, section
 from tests.worlds import ENV, free_port, join_env
 from torch import nn
 
@@ -588,6 +589,24 @@ def test_under_torchrun_rank_0_locks_and_every_rank_stops(world) -> None:
     assert sorted(p.name for p in (out / "locked").iterdir()) == [".lock"]  # nothing written
 
 
+def _drift_line(snapshot: str) -> str:
+    """The line a run stops with when its replicas diverge at step 8 (lm_head.weight is tied to
+    wte.weight: one tensor, named by its first name), as a pattern."""
+    return (
+        r"replica_divergence at step 8: wte\.weight \(ranks 0 and 1 differ; max \|difference\| "
+        r"0\.00\d+ in wte\.weight\); stopped without saving it, the newest snapshot, "
+        + re.escape(snapshot)
+        + r", is the last consistent step: fix the cause, then resume from it"
+    )
+
+
+def test_the_guide_shows_the_line_a_diverged_run_stops_with() -> None:
+    (shown,) = fenced(section(DOCS / "ranks.md", "## The Monitor"), "text")
+    prefix, _, line = shown.strip().partition("error: ")
+    assert prefix == "isotrain train: "
+    assert re.fullmatch(_drift_line("runs/ddp/snapshots/step_0000004"), line)
+
+
 @pytest.mark.slow
 def test_the_doctor_changes_nothing_and_stops_a_diverged_run_at_its_check(world) -> None:
     results, out = world
@@ -595,14 +614,7 @@ def test_the_doctor_changes_nothing_and_stops_a_diverged_run_at_its_check(world)
         assert res["doctor0_steps"] == res["doctor2_steps"] == 8
         assert res["drift_snapshots"] == ["step_0000004"]  # nothing saved after the drift
         snap = out / "drift" / "snapshots" / "step_0000004"
-        assert re.fullmatch(
-            r"replica_divergence at step 8: wte\.weight \(ranks 0 and 1 differ; max \|difference\| "
-            r"0\.00\d+ in wte\.weight\); stopped without saving it, the newest snapshot, "
-            + re.escape(str(snap))
-            + r", is the last consistent step: fix the cause, then resume "
-            r"from it",
-            res["drift_error"],
-        ), res["drift_error"]  # lm_head.weight is tied to wte.weight: one tensor, its first name
+        assert re.fullmatch(_drift_line(str(snap)), res["drift_error"]), res["drift_error"]
         assert res["same_error"].startswith("same_data_on_ranks before step 1: batches: ranks 0, 1")
     (a, pa), (b, pb) = (load_snapshot(out / f"doctor{every}") for every in (0, 2))
     assert pa.name == pb.name == "step_0000008"

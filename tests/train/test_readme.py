@@ -1,15 +1,18 @@
-"""The README's commands work as written on a fresh clone, in the order shown.
+"""The commands of the README and of the guide work as written on a fresh clone, in order.
 
+The pages are walked as a reader goes: README.md, then the guide's pages in the order of
+mkdocs.yml's nav (tests/guides.py); a command shown again runs once, where it first appears.
 Every command of every bash block must be one a fresh clone can run: a `make` target, or a
 program in `.venv` (`isotrain`, `pip`, `python`, `torchrun`). `make` targets are checked with
 `make -n`; then every command runs in-process, in order, in one temporary directory after
 `make train`'s job, as a new user would type them (long ones with a few steps; torchrun's
 are parsed). Each command's optional packages must be installed by `make train` or by a
-`pip install` the README shows before it.
+`pip install` shown before it.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -20,38 +23,37 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests import guides
 
 from isotrain.train.cli.launch import nproc_per_node
 from isotrain.train.cli.main import main, parse_train_args
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN_SECTIONS = ("The trainer",)
 
 
-def readme_commands() -> list[tuple[str, dict[str, str], list[str]]]:
-    """(section, environment, argv) of each command in the README's bash blocks, in order."""
-    out, section, block = [], "", None
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
-        elif line.strip() == "```bash":
-            block = []
-        elif line.strip() == "```" and block is not None:
-            for command in re.sub(r"\\\n\s*", " ", "\n".join(block)).splitlines():
+def commands() -> list[tuple[str, dict[str, str], list[str], str]]:
+    """(where, environment, argv, note) of each command in the bash blocks of every page, in
+    order, each once; `where` is "page: section", `note` the comment of its line."""
+    out, seen = [], set()
+    for page in guides.PAGES:
+        for block in guides.blocks(page):
+            if block.lang != "bash":
+                continue
+            for command in re.sub(r"\\\n\s*", " ", block.code).splitlines():
+                note = command.split(" # ", 1)[1] if " # " in command else ""
                 words = shlex.split(command, comments=True)
                 env = {}
                 while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
                     key, _, value = words.pop(0).partition("=")
                     env[key] = value
-                if words:
-                    out.append((section, env, words))
-            block = None
-        elif block is not None:
-            block.append(line)
+                shown = (tuple(sorted(env.items())), tuple(words))
+                if words and shown not in seen:
+                    seen.add(shown)
+                    out.append((f"{guides.name(page)}: {block.section}", env, words, note))
     return out
 
 
-COMMANDS = readme_commands()
+COMMANDS = commands()
 
 
 def _installed_by_make_train() -> set[str]:
@@ -82,12 +84,17 @@ def _extras(pip_argv: list[str]) -> set[str]:
 def test_every_command_is_a_make_target_or_a_program_in_the_venv() -> None:
     assert len(COMMANDS) >= 20
     programs = {".venv/bin/isotrain", ".venv/bin/pip", ".venv/bin/python", ".venv/bin/torchrun"}
-    for section, _, argv in COMMANDS:
-        assert argv[0] == "make" or argv[0] in programs, (section, " ".join(argv))
-    quick = [argv for section, _, argv in COMMANDS if section == "Quick start"]
-    assert [a[:2] for a in quick][:5] == [
-        ["make", "train"], ["make", "sample"], ["make", "plot"], ["make", "report"],
-        ["make", "export"],
+    for where, _, argv, _ in COMMANDS:
+        assert argv[0] == "make" or argv[0] in programs, (where, " ".join(argv))
+    assert COMMANDS[0][2] == ["make", "train"]  # the README's first command
+    assert {"README.md", "docs/trainer.md", "docs/own-data.md", "docs/distributed.md"} <= {
+        where.split(":", 1)[0] for where, *_ in COMMANDS
+    }  # the walk reaches the guide
+    quick = [argv for where, _, argv, _ in COMMANDS if where.startswith("README.md")]
+    quick += [argv for where, _, argv, _ in COMMANDS if where.startswith("docs/quickstart.md")]
+    assert [a[:2] for a in quick if a[0] == "make"][:6] == [
+        ["make", "train"], ["make", "test"], ["make", "sample"], ["make", "plot"],
+        ["make", "report"], ["make", "export"],
     ]  # fmt: skip
 
 
@@ -97,7 +104,7 @@ def test_what_each_command_needs_is_installed_before_it() -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     installed = _installed_by_make_train()
     assert {"plots", "export"} <= installed
-    for section, _, argv in COMMANDS:
+    for where, _, argv, _ in COMMANDS:
         if argv[0] == ".venv/bin/pip":
             assert argv[1] == "install", argv
             assert _extras(argv) <= set(declared["optional-dependencies"]), argv
@@ -106,12 +113,12 @@ def test_what_each_command_needs_is_installed_before_it() -> None:
             isotrain = argv[argv.index("isotrain") + 1 :] if "-m" in argv else argv[1:]
             if isotrain and not isotrain[0].startswith("-"):
                 missing = _needs(isotrain) - installed
-                assert not missing, f"{section}: {' '.join(argv)} needs isotrain{missing}"
+                assert not missing, f"{where}: {' '.join(argv)} needs isotrain{missing}"
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_targets_exist() -> None:
-    targets = [argv for _, _, argv in COMMANDS if argv[0] == "make"]
+    targets = [argv for _, _, argv, _ in COMMANDS if argv[0] == "make"]
     assert targets
     for argv in targets:
         proc = subprocess.run(
@@ -185,7 +192,7 @@ def _user_files(root: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_readme_walks_through_in_one_directory_after_make_train(
+def test_the_pages_walk_through_in_one_directory_after_make_train(
     tmp_path, monkeypatch, capsys
 ) -> None:
     """Every command in every bash block, in order, in one fresh directory where `make
@@ -200,8 +207,7 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
     _user_files(tmp_path)
     ran, left_out = [], []
     times: list[tuple[float, str]] = []
-    for _section, env, argv in COMMANDS_WITH_NOTES:
-        command, note = argv
+    for _where, env, command, note in COMMANDS:
         if command[0] in NOT_RUN or (command[0] == "make" and command[1] in NOT_RUN_MAKE):
             left_out.append(command)
             if command[0] == ".venv/bin/torchrun":
@@ -224,7 +230,7 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
             args = _make_argv(command[1])
         elif command[0] == ".venv/bin/python":
             assert command[1] == "-c", command
-            exec(command[2], {})  # the README's own snippet, as `python -c` runs it
+            exec(command[2], {})  # the page's own snippet, as `python -c` runs it
             ran.append(command)
             continue
         else:
@@ -247,34 +253,46 @@ def test_the_readme_walks_through_in_one_directory_after_make_train(
         assert (tmp_path / path).is_file(), path
     for path in ("runs/logged/csv", "runs/logged/tensorboard", "runs/tuned/hf", "runs/owt"):
         assert (tmp_path / path).is_dir(), path
-    assert {p.name for p in tmp_path.iterdir()} <= {  # nothing the README did not name
+    assert {p.name for p in tmp_path.iterdir()} <= {  # nothing the pages did not name
         "runs", "plots", "model.safetensors", "my-gpt", "data", "wandb-home",
         "notes", "src", "corpus", "tests", "gpt2", "models", "nanoGPT", "examples", "doctor.json",
     }  # fmt: skip
 
 
-def readme_commands_with_notes() -> list[tuple[str, dict[str, str], tuple[list[str], str]]]:
-    """As readme_commands, each with the comment text of its line (for "(minutes)")."""
-    out, section, block = [], "", None
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("## "):
-            section = line[3:].strip()
-        elif line.strip() == "```bash":
-            block = []
-        elif line.strip() == "```" and block is not None:
-            for command in re.sub(r"\\\n\s*", " ", "\n".join(block)).splitlines():
-                note = command.split(" # ", 1)[1] if " # " in command else ""
-                words = shlex.split(command, comments=True)
-                env = {}
-                while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
-                    key, _, value = words.pop(0).partition("=")
-                    env[key] = value
-                if words:
-                    out.append((section, env, (words, note)))
-            block = None
-        elif block is not None:
-            block.append(line)
+def inline_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv) of each command the pages' prose quotes with its flags: a benchmark script
+    (`python benchmarks/bench_mfu.py --rounds 40`) or `isotrain train` with concrete values."""
+    out = []
+    for page in guides.PAGES:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M).replace("\n", " ")
+        for command in re.findall(r"`((?:python benchmarks/|isotrain train )[^`]*)`", text):
+            words = shlex.split(command)
+            if "--" in command and not any(w.isupper() or "..." in w for w in words):
+                out.append((guides.name(page), words))
     return out
 
 
-COMMANDS_WITH_NOTES = readme_commands_with_notes()
+def _declared_flags(script: Path) -> set[str]:
+    """The option strings a benchmark script's parser declares (`add_argument("--x", ...)`)."""
+    calls = [
+        node
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+    ]
+    return {a.value for c in calls for a in c.args if isinstance(a, ast.Constant)}
+
+
+def test_the_commands_quoted_in_prose_parse() -> None:
+    """A benchmark's flags are ones its script declares; an `isotrain train` command parses."""
+    commands = inline_commands()
+    assert sum(argv[0] == "python" for _, argv in commands) >= 5
+    assert any(argv[0] == "isotrain" for _, argv in commands)
+    for page, argv in commands:
+        if argv[0] == "python":
+            flags = {w for w in argv[2:] if w.startswith("--")}
+            unknown = flags - _declared_flags(ROOT / argv[1])
+            assert not unknown, f"{page}: {' '.join(argv)}: {argv[1]} has no {sorted(unknown)}"
+        elif "--nproc-per-node" in argv:
+            parse_train_args(nproc_per_node(argv[2:])[1])
+        else:
+            parse_train_args(argv[2:])
