@@ -266,9 +266,7 @@ def test_bf16_matmul_runs_the_matmuls_in_bf16_and_attention_in_fp32(
     model = _model()
     assert model.config._attn_implementation == "sdpa"
     args = _args(tmp_path, max_steps=2)
-    trainer = GuardedTrainer(
-        model=model, args=args, train_dataset=_data(), precision="bf16-matmul"
-    )
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=_data(), precision="bf16-matmul")
     with OpDtypes() as seen:
         trainer.train()
     # AVX2: the Linear head in Bf16Linear's layout op; GPT-2's Conv1D layers are ATen's addmm.
