@@ -1,4 +1,5 @@
-"""`OpDtypes`: which aten ops ran, how often, on which floating-point dtypes (precision tests)."""
+"""`OpDtypes`: which aten ops ran, how often, on which floating-point dtypes; `SdpaDtypes`: the
+dtypes scaled_dot_product_attention was called with (precision tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from isotrain._torch_private import DispatchMode, tree_leaves
 
@@ -33,3 +36,19 @@ class OpDtypes(DispatchMode):
         found = [d for op, d in self.ops.items() if match(op)]
         assert found, "no such op ran"
         return set().union(*found)
+
+
+class SdpaDtypes(TorchFunctionMode):
+    """The dtypes of q, k and v at every F.scaled_dot_product_attention call, as the kernel
+    gets them: ATen's CPU math path upcasts bf16 itself, so its ops cannot tell."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is F.scaled_dot_product_attention:
+            self.dtypes.update(t.dtype for t in args[:3])
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
