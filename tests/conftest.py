@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from isotrain.autograd import CPU_KIND_ENV, CPU_KINDS
 from isotrain.contexts import StateAudit, rng_isolated
 
 
@@ -51,6 +52,20 @@ def _isolation_audit() -> Iterator[None]:
         audit.restore()
         leaks = "\n".join(f"  - {d}" for d in audit.differences)
         pytest.fail(f"test leaked global state (restored now):\n{leaks}", pytrace=False)
+
+
+@pytest.fixture(params=CPU_KINDS)
+def cpu_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU kind in turn, forced by ISOTRAIN_CPU_KIND: the test runs that kind's bf16 path
+    on any machine (NOTE [forcing the CPU kind] in isotrain.autograd._cpu)."""
+    monkeypatch.setenv(CPU_KIND_ENV, request.param)
+    return request.param
+
+
+@pytest.fixture
+def own_cpu_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's own CPU kind, even when the suite runs under ISOTRAIN_CPU_KIND."""
+    monkeypatch.delenv(CPU_KIND_ENV, raising=False)
 
 
 @pytest.fixture

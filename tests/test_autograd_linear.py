@@ -9,17 +9,20 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from tests.op_dtypes import OpDtypes
 from torch import Tensor, nn
 from torch._dynamo.testing import AotEagerAndRecordGraphs
 from torch._dynamo.utils import counters
 from torch.utils.flop_counter import FlopCounterMode
 
 from isotrain.autograd import (
+    CPU_KIND_ENV,
     Bf16Linear,
     QuantConv2d,
     QuantLinear,
     bf16_linear,
     bf16_linear_layers,
+    cpu_flags,
     native_bf16_matmul,
     quantize_layers,
     quantize_linear_layers,
@@ -117,8 +120,7 @@ def _converts() -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the CPU flags from /proc/cpuinfo")
-def test_native_bf16_detection_matches_this_cpu() -> None:
-    native_bf16_matmul.cache_clear()
+def test_native_bf16_detection_matches_this_cpu(own_cpu_kind: None) -> None:
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     flags = _cpu_flags()
     if not x86:
@@ -130,22 +132,44 @@ def test_native_bf16_detection_matches_this_cpu() -> None:
     else:
         expected = {"avx512bw", "avx512vl", "avx512dq"} <= flags  # AVX512 without bf16
     assert native_bf16_matmul() is expected, (platform.machine(), sorted(flags))
+    assert cpu_flags() == flags
     assert _converts() is not expected  # converts exactly where bf16 is not native
     assert type(bf16_linear_layers(nn.Sequential(nn.Linear(4, 4)), force=True)[0]) is Bf16Linear
 
 
 @pytest.mark.parametrize(("capability", "native"), [("AVX2", False), ("AVX512", True)])
 def test_conversion_follows_the_cpu_capability(
-    capability: str, native: bool, monkeypatch: pytest.MonkeyPatch
+    capability: str, native: bool, monkeypatch: pytest.MonkeyPatch, own_cpu_kind: None
 ) -> None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         native = True  # the capability only matters on x86
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
-    native_bf16_matmul.cache_clear()
-    try:
-        assert native_bf16_matmul() is native and _converts() is not native
-    finally:
-        native_bf16_matmul.cache_clear()  # the real CPU's answer for later tests
+    assert native_bf16_matmul() is native and _converts() is not native
+
+
+def test_a_forced_cpu_kind_decides_the_conversion_and_the_flags(
+    cpu_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The forced answer, whatever torch's capability says (here: the opposite of the kind's).
+    other = "AVX512" if cpu_kind == "avx2" else "AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
+    assert native_bf16_matmul() is (cpu_kind != "avx2") and _converts() is (cpu_kind == "avx2")
+    flags = cpu_flags()
+    assert ("avx512_bf16" in flags) is (cpu_kind != "avx2")
+    assert ("amx_tile" in flags) is (cpu_kind == "amx")
+
+
+@pytest.mark.parametrize("value", ["avx512", "AVX2", "avx512_bf16"])
+def test_an_unknown_cpu_kind_is_a_one_line_error_naming_the_kinds(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CPU_KIND_ENV, value)
+    with pytest.raises(ValueError) as info:
+        native_bf16_matmul()
+    assert str(info.value) == (
+        f"ISOTRAIN_CPU_KIND={value!r} is not a CPU kind: use one of avx2, avx512-bf16, amx, "
+        "or unset it to read this CPU's flags"
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd:UserWarning")  # the recorder
@@ -177,13 +201,24 @@ def test_bf16_linear_compiles_to_one_graph_that_keeps_the_layout_op() -> None:
 def test_layout_op_passes_opcheck() -> None:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(6, 5, generator=g, dtype=torch.bfloat16)
-    b = torch.randn(4, 5, generator=g).t()  # fp32, column-major: the op casts and lays out
-    bias = torch.randn(4, generator=g)
+    b = torch.randn(4, 5, generator=g, dtype=torch.bfloat16).t()  # column-major: the op lays out
+    bias = torch.randn(4, generator=g, dtype=torch.bfloat16)
     for args in ((a, b, None), (a, b, bias), (a.t().contiguous().t(), b, bias)):
         torch.library.opcheck(torch.ops.isotrain.layout_mm, args)
-        ref = F.linear(args[0].float(), b.t().bfloat16().float(), args[2])
+        ref = F.linear(args[0].float(), b.t().float(), None if args[2] is None else bias.float())
         out = torch.ops.isotrain.layout_mm(*args).float()
         assert torch.allclose(out, ref, rtol=2**-7, atol=0.02)
+    with pytest.raises(ValueError, match=r"got torch.bfloat16, torch.float32, torch.bfloat16: "):
+        torch.ops.isotrain.layout_mm(a, b.float(), bias)  # a cast inside would hide from checks
+
+
+def test_the_layout_op_gets_bf16_operands_forward_and_backward() -> None:
+    layer = Bf16Linear(8, 12)
+    x = torch.randn(3, 8, requires_grad=True)
+    with OpDtypes() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+    assert seen.ops["layout_mm"] == {torch.bfloat16}  # 1 forward, 2 backward products
+    assert seen.calls["layout_mm"] == 3 and "mm" not in seen.ops and "addmm" not in seen.ops
 
 
 def test_flop_counter_counts_the_layout_products_as_matmuls() -> None:

@@ -13,6 +13,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.op_dtypes import OpDtypes, SdpaDtypes  # noqa: E402
+
 from isotrain.integrations.transformers import GuardedTrainer  # noqa: E402
 
 K = 3  # the step (1-based, Trainer's global_step after it) whose gradient is NaN
@@ -255,3 +257,32 @@ def test_monitor_every_checks_the_run_and_names_a_layer_that_never_trains(
     assert found == ([("params_unchanged", "warning", "transformer.wpe.weight")] if dead else [])
     with pytest.raises(ValueError, match=r"^monitor_every must be 0 \(off\) or a number of steps"):
         GuardedTrainer(model=model, args=args, train_dataset=_data(), monitor_every=-1)
+
+
+@pytest.mark.parametrize("cpu_kind", ["avx2", "avx512-bf16"], indirect=True)
+def test_bf16_matmul_runs_the_matmuls_in_bf16_and_attention_in_fp32(
+    tmp_path: Path, cpu_kind: str
+) -> None:
+    model = _model()
+    assert model.config._attn_implementation == "sdpa"
+    args = _args(tmp_path, max_steps=2)
+    trainer = GuardedTrainer(model=model, args=args, train_dataset=_data(), precision="bf16-matmul")
+    with SdpaDtypes() as sdpa, OpDtypes() as seen:
+        trainer.train()
+    assert sdpa.calls == 2 and sdpa.dtypes == {torch.float32}  # one layer, two steps
+    # AVX2: the Linear head in Bf16Linear's layout op; GPT-2's Conv1D layers are ATen's addmm.
+    assert ("layout_mm" in seen.ops) is (cpu_kind == "avx2")
+    assert seen.where(lambda op: op in {"mm", "addmm", "layout_mm"}) == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert trainer.state.global_step == 2 and _finite(model)
+
+
+def test_bf16_matmul_beside_trainers_own_mixed_precision_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        GuardedTrainer(model=_model(), args=_args(tmp_path, bf16=True), precision="bf16-matmul")
+    assert str(info.value) == (
+        "GuardedTrainer(precision='bf16-matmul') runs its own bf16 autocast, and args.bf16=True "
+        "asks for another: pass one of them (NOTE [bf16-matmul in trainers])"
+    )
+    with pytest.raises(ValueError, match=r"precision='bf16'\): use None .* or 'bf16-matmul'"):
+        GuardedTrainer(model=_model(), args=_args(tmp_path), precision="bf16")

@@ -14,6 +14,8 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from tests.op_dtypes import OpDtypes  # noqa: E402
+
 from isotrain.guard import GuardedOptimizer  # noqa: E402
 from isotrain.integrations.lightning import GuardCallback  # noqa: E402
 
@@ -320,3 +322,55 @@ def test_monitor_every_checks_the_fit_and_names_a_branch_that_never_trains(dead:
     assert found == ([("params_unchanged", "warning", "extra.weight, extra.bias")] if dead else [])
     with pytest.raises(ValueError, match=r"^monitor_every must be 0 \(off\) or a number of steps"):
         GuardCallback(monitor_every=-1)
+
+
+class _Attending(pl.LightningModule):
+    """A linear layer, then scaled_dot_product_attention over the batch's rows (B, 1, T, D)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(6, 8)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = self.proj(x).view(1, 1, 4, 8)  # (B, H, T, D)
+        out = nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True)
+        return (out.float().sum(-1).view(4, 1) - y).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("cpu_kind", ["avx2", "avx512-bf16"], indirect=True)
+def test_bf16_matmul_runs_the_matmuls_in_bf16_and_attention_in_fp32(cpu_kind: str) -> None:
+    module, guard = _Attending(), GuardCallback(precision="bf16-matmul")
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[guard],
+    )  # fmt: skip
+    with OpDtypes() as seen:
+        trainer.fit(module, _loader(2))
+    linear = {"avx2": {"layout_mm"}, "avx512-bf16": {"addmm", "mm"}}[cpu_kind]
+    assert {op for op in seen.ops if op in {"mm", "addmm", "layout_mm"}} == linear
+    assert seen.where(lambda op: op in linear) == {torch.bfloat16}  # forward and backward
+    sdpa = [op for op in seen.ops if "scaled_dot_product" in op]
+    assert any(op.endswith("_backward") for op in sdpa), sdpa
+    assert seen.where(lambda op: "scaled_dot_product" in op) == {torch.float32}
+    assert trainer.global_step == 2 and module.proj.weight.dtype == torch.float32
+    assert "train_step_context" not in vars(trainer.precision_plugin)  # undone at teardown
+
+
+def test_bf16_matmul_beside_lightnings_own_mixed_precision_is_refused() -> None:
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, precision="bf16-mixed",
+        callbacks=[GuardCallback(precision="bf16-matmul")],
+    )  # fmt: skip
+    with pytest.raises(ValueError) as info:
+        trainer.fit(_Attending(), _loader(1))
+    assert str(info.value) == (
+        "GuardCallback(precision='bf16-matmul') runs its own bf16 autocast, and "
+        "Trainer(precision='bf16-mixed') asks for another: pass one of them (NOTE [bf16-matmul "
+        "in trainers])"
+    )

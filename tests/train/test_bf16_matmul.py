@@ -5,8 +5,8 @@ import shutil
 
 import pytest
 import torch
+from tests.op_dtypes import OpDtypes
 
-from isotrain._torch_private import DispatchMode, tree_leaves
 from isotrain.train import config as C
 from isotrain.train.loop import setup, train
 from isotrain.train.rundir.metrics import read_metrics
@@ -14,6 +14,7 @@ from isotrain.train.rundir.snapshot import load_snapshot
 from isotrain.train.step import precision_context, train_step
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm", "layout_mm"}  # layout_mm: Bf16Linear on AVX2 CPUs
+LINEAR = {"avx2": {"layout_mm"}, "avx512-bf16": {"mm", "addmm"}, "amx": {"mm", "addmm"}}
 
 
 def _cfg(out, **kw) -> C.TrainConfig:
@@ -22,31 +23,14 @@ def _cfg(out, **kw) -> C.TrainConfig:
     return dataclasses.replace(base, data=data, out_dir=str(out), **kw)
 
 
-class OpDtypes(DispatchMode):
-    """(op, dtypes of its floating-point tensor inputs) of every aten op run inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: dict[str, set[torch.dtype]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        leaves = tree_leaves((args, kwargs or {}))
-        floats = {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
-        self.ops.setdefault(func.__name__.split(".")[0], set()).update(floats)
-        return func(*args, **(kwargs or {}))
-
-    def where(self, match) -> set[torch.dtype]:
-        found = [d for op, d in self.ops.items() if match(op)]
-        assert found, "no such op ran"
-        return set().union(*found)
-
-
-def test_the_step_runs_matmuls_in_bf16_and_attention_in_fp32(tmp_path) -> None:
+def test_the_step_runs_matmuls_in_bf16_and_attention_in_fp32(tmp_path, cpu_kind) -> None:
     run = setup(_cfg(tmp_path, precision="bf16-matmul"))
     with OpDtypes() as seen:
         train_step(run)
     sdpa = [op for op in seen.ops if "scaled_dot_product" in op]
     assert any(op.endswith("_backward") for op in sdpa), sdpa
+    # The kind's path: AVX2 multiplies in Bf16Linear's layout op, the others in ATen's.
+    assert {op for op in seen.ops if op in MATMULS} == LINEAR[cpu_kind]
     assert seen.where(lambda op: op in MATMULS) == {torch.bfloat16}  # forward and backward
     assert seen.where(lambda op: "scaled_dot_product" in op) == {torch.float32}
     assert all(p.dtype == torch.float32 for p in run.model.parameters())  # master weights

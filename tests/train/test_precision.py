@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from isotrain.autograd import _cpu
 from isotrain.train import config as C
 from isotrain.train.precision import cache as cache_mod
 from isotrain.train.precision import capability, choice
@@ -27,12 +28,10 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def native(monkeypatch):
+def native(monkeypatch, own_cpu_kind):
     """A CPU with native bf16 (AVX512-BF16 flags), whatever this machine is."""
     monkeypatch.setattr(capability, "native_bf16_matmul", lambda: True)
-    monkeypatch.setattr(
-        capability, "read_cpuinfo", lambda: "model name\t: Test CPU\n" + AVX512_BF16
-    )
+    monkeypatch.setattr(_cpu, "_read_cpuinfo", lambda: "model name\t: Test CPU\n" + AVX512_BF16)
 
 
 def _cfg(**model) -> C.TrainConfig:
@@ -140,15 +139,52 @@ def test_an_unreadable_or_incomplete_cache_is_reported_and_replaced(cache, nativ
     ],
 )
 def test_the_header_names_what_the_cpu_flags_say(
-    cache, monkeypatch, cpuinfo, native_bf16, words
+    cache, monkeypatch, own_cpu_kind, cpuinfo, native_bf16, words
 ) -> None:
-    monkeypatch.setattr(capability, "read_cpuinfo", lambda: cpuinfo)
+    monkeypatch.setattr(_cpu, "_read_cpuinfo", lambda: cpuinfo)
     monkeypatch.setattr(capability, "native_bf16_matmul", lambda: native_bf16)
     got = choice.choose_precision(
         _cfg(), CPU, probe=FakeMachine(fp32=1, bf16=2, bf16_matmul=2).probe()
     )
     assert got.reason.startswith(words) and "AVX512)" not in got.reason
     assert got.precision == "fp32" and cache.exists() == native_bf16  # emulated: no probe
+
+
+FORCED = {  # kind: auto's choice with a fake bf16-matmul at 0.6x fp32, and why
+    "avx2": (
+        "fp32",
+        "this CPU has neither AMX tiles nor AVX512-BF16 (ISOTRAIN_CPU_KIND=avx2): bf16 is "
+        "emulated (AVX2), so fp32 is faster",
+    ),
+    "avx512-bf16": (
+        "bf16-matmul",
+        "this CPU has AVX512-BF16 but no AMX tiles (ISOTRAIN_CPU_KIND=avx512-bf16); step time "
+        "fp32 1.00x, bf16 0.90x, bf16-matmul 0.60x",
+    ),
+    "amx": (
+        "bf16-matmul",
+        "this CPU has AMX tiles (amx_bf16, amx_tile) (ISOTRAIN_CPU_KIND=amx); step time fp32 "
+        "1.00x, bf16 0.90x, bf16-matmul 0.60x",
+    ),
+}
+
+
+def test_a_forced_cpu_kind_takes_its_path_and_says_it_was_forced(
+    cache, monkeypatch, cpu_kind
+) -> None:
+    # The machine is an AVX512-BF16 CPU whose ATen runs AVX2 kernels: no kind's own answer.
+    monkeypatch.setattr(_cpu, "_read_cpuinfo", lambda: "model name\t: Test CPU\n" + AVX512_BF16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    fake = FakeMachine(fp32=1, bf16=0.9, bf16_matmul=0.6)
+    got = choice.choose_precision(_cfg(), CPU, probe=fake.probe())
+    assert (got.precision, got.reason) == FORCED[cpu_kind]
+    assert bool(fake.calls) == cache.exists() == (cpu_kind != "avx2")  # avx2: no probe
+    assert capability.device_name(CPU) == f"Test CPU as {cpu_kind} (ISOTRAIN_CPU_KIND)"
+    assert cache_mod.cache_key(_cfg(), CPU).startswith(f"Test CPU as {cpu_kind} (")
+    assert capability.forced_kind_note() == (
+        f"{cpu_kind}, forced by ISOTRAIN_CPU_KIND: this CPU has AVX512-BF16 but no AMX tiles, "
+        "ATen's kernels AVX2"
+    )
 
 
 def test_a_probe_past_its_budget_keeps_fp32_says_so_and_caches_nothing(cache, native) -> None:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from isotrain.autograd import _cpu
 from isotrain.train.cli.main import main
 from isotrain.train.precision import capability, choice
 from isotrain.train.precision.probe import measure
@@ -17,11 +18,11 @@ SMOKE = ["train", "--preset", "smoke", "--data.max-bytes", "60000", "--sample-to
 
 
 @pytest.fixture
-def native(monkeypatch, tmp_path):
+def native(monkeypatch, tmp_path, own_cpu_kind):
     """A CPU with AVX512-BF16 flags, and a cache of this test's own."""
     monkeypatch.setenv("ISOTRAIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(capability, "native_bf16_matmul", lambda: True)
-    monkeypatch.setattr(capability, "read_cpuinfo", lambda: "flags\t: avx2 avx512f avx512_bf16\n")
+    monkeypatch.setattr(_cpu, "_read_cpuinfo", lambda: "flags\t: avx2 avx512f avx512_bf16\n")
 
 
 def fake_steps(monkeypatch, step, clock=None) -> None:
@@ -97,6 +98,34 @@ def test_a_probe_past_its_budget_trains_in_fp32_and_says_so(
         "--precision-probe-seconds, or pass --precision bf16 or bf16-matmul to choose yourself)"
     ) in out
     assert 'precision = "fp32"' in (run / "config.toml").read_text()
+
+
+def test_a_forced_cpu_kind_is_in_the_header_and_an_unknown_one_is_refused(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.setenv("ISOTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_cpu, "_read_cpuinfo", lambda: "flags\t: avx2 avx512f avx512_bf16\n")
+    monkeypatch.setattr(capability.torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    fake_steps(monkeypatch, lambda mode: pytest.fail("probed where bf16 is emulated"))
+    monkeypatch.setenv("ISOTRAIN_CPU_KIND", "avx2")
+    argv = [*SMOKE, "--precision", "auto", "--steps", "1", "--out-dir", str(tmp_path / "r")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert (
+        "  cpu kind   avx2, forced by ISOTRAIN_CPU_KIND: this CPU has AVX512-BF16 but no AMX "
+        "tiles, ATen's kernels AVX512\n"
+    ) in out
+    assert (
+        "  precision  fp32 (auto: this CPU has neither AMX tiles nor AVX512-BF16 "
+        "(ISOTRAIN_CPU_KIND=avx2): bf16 is emulated (AVX2), so fp32 is faster)\n"
+    ) in out
+    monkeypatch.setenv("ISOTRAIN_CPU_KIND", "avx512")
+    assert main([*argv[:-1], str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err == (
+        "isotrain train: error: ISOTRAIN_CPU_KIND='avx512' is not a CPU kind: use one of avx2, "
+        "avx512-bf16, amx, or unset it to read this CPU's flags\n"
+    )
+    assert not (tmp_path / "bad").exists()
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

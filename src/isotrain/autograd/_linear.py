@@ -10,8 +10,6 @@ gets several times faster (benchmarks/results/avx2/mfu.md). The products are one
 those of bf16 matmuls with fp32 accumulation; parameters and their gradients keep their dtype.
 """
 
-import functools
-import platform
 from typing import Any
 
 import torch
@@ -19,7 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import register_flop_formula
 
-__all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers", "native_bf16_matmul"]
+from isotrain.autograd._cpu import native_bf16_matmul
+
+__all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers"]
 
 # NOTE [bf16 operand layouts]
 # bf16 C = A @ B on an AVX2 AMD EPYC, torch 2.13, one thread (the peak table of
@@ -32,24 +32,14 @@ __all__ = ["Bf16Linear", "bf16_linear", "bf16_linear_layers", "native_bf16_matmu
 #   forward   y  = x @ W.T  -> A = x copied to column-major, B = W.T copied to row-major
 #   backward  dx = g @ W    -> A = g copied to column-major, B = W (row-major already)
 #             dW = (x.T @ g).T with A = x.T (column-major view of the saved x), B = g
+# Every operand reaches the op already in bf16: the casts (W.T cast and laid out in one copy,
+# the bias, the gradient) are ops of their own before it, as autocast's are before `mm`, so
+# what runs in bf16 shows at op level. The op itself refuses operands of mixed dtypes.
 # The saved tensors are the bf16 input (as autocast's linear saves) and the parameter
 # itself, so activation memory is the same as nn.Linear under autocast. CPUs that run bf16
 # through oneDNN (AVX512 or AMX) are fast in every layout; `native_bf16_matmul()` says so and
 # `bf16_linear_layers` then changes nothing. fp16 has a different fast layout and is left to
 # PyTorch.
-
-
-@functools.cache
-def native_bf16_matmul() -> bool:
-    """Whether this CPU's bf16 matmuls are fast in every operand layout (anything but AVX2 x86).
-
-    Example::
-
-        if not native_bf16_matmul():
-            bf16_linear_layers(model)
-    """
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    return not (x86 and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"))
 
 
 def _column_major(x: Tensor) -> Tensor:
@@ -64,13 +54,26 @@ def _row_major(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x.to(dtype, memory_format=torch.contiguous_format)
 
 
+def _one_dtype(a: Tensor, b: Tensor, bias: Tensor | None) -> None:
+    """Refuse mixed dtypes: a cast inside the op would hide from op-level dtype checks."""
+    dtypes = {a.dtype, b.dtype} | ({bias.dtype} if bias is not None else set())
+    if len(dtypes) > 1:
+        got = ", ".join(str(t.dtype) for t in (a, b, bias) if t is not None)
+        raise ValueError(
+            f"isotrain::layout_mm takes a, b and bias in one dtype, got {got}: cast them "
+            "before the op (NOTE [bf16 operand layouts])"
+        )
+
+
 def _layout_mm_kernel(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
-    # (bias +) a @ b in a's dtype, with a column-major and b row-major: NOTE [bf16 operand layouts]
-    a, b = _column_major(a), _row_major(b, a.dtype)
-    return torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+    # (bias +) a @ b, with a column-major and b row-major: NOTE [bf16 operand layouts]
+    _one_dtype(a, b, bias)
+    a, b = _column_major(a), b.contiguous()
+    return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
 
 
 def _layout_mm_fake(a: Tensor, b: Tensor, bias: Tensor | None) -> Tensor:
+    _one_dtype(a, b, bias)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 
@@ -177,7 +180,8 @@ class _LayoutLinear(torch.autograd.Function):
         x: Tensor, weight: Tensor, bias: Tensor | None, dtype: torch.dtype
     ) -> tuple[Tensor, Tensor]:
         x_lp = _row_major(x.reshape(-1, x.shape[-1]), dtype)  # (N, in)
-        out = _layout_mm(x_lp, weight.t(), bias)  # (N, out)
+        w_t = _row_major(weight.t(), dtype)  # (in, out): cast and laid out in one copy
+        out = _layout_mm(x_lp, w_t, None if bias is None else bias.to(dtype))  # (N, out)
         return out.view(*x.shape[:-1], weight.shape[0]), x_lp
 
     @staticmethod
@@ -194,7 +198,8 @@ class _LayoutLinear(torch.autograd.Function):
         g = _row_major(grad.reshape(-1, grad.shape[-1]), x_lp.dtype)  # (N, out)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _layout_mm(g, weight).view(*ctx.lead, weight.shape[1])
+            w_lp = _row_major(weight, x_lp.dtype)  # (out, in)
+            grad_x = _layout_mm(g, w_lp).view(*ctx.lead, weight.shape[1])
         if ctx.needs_input_grad[1]:
             grad_w = _row_major(_layout_mm(x_lp.t(), g).t(), weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -21,6 +21,7 @@ from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer
 from isotrain.integrations._extra import missing_extra
 from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
+from isotrain.integrations._precision import Precision
 
 try:
     import lightning.pytorch as pl
@@ -98,7 +99,9 @@ class GuardCallback(pl.Callback):
     compile_model's keywords) are applied to the module at fit start: NOTE [patterns in
     trainers]. ``monitor_every=N`` adds an ``isotrain.doctor.Monitor`` of the first optimizer,
     checked every N optimizer steps (``callback.monitor``; its findings are logged; under DDP
-    the replicas are compared).
+    the replicas are compared). ``precision="bf16-matmul"`` runs the training and validation
+    steps with bf16 matmuls and attention in fp32 (Trainer at its default precision "32-true";
+    NOTE [bf16-matmul in trainers]).
 
     Example::
 
@@ -115,9 +118,11 @@ class GuardCallback(pl.Callback):
         checkpointing: CheckpointingOption = None,
         compile_blocks: CompileOption = False,
         monitor_every: int = 0,
+        precision: str | None = None,
         **guard_options: Any,
     ) -> None:
         self._patterns = Patterns(checkpointing, compile_blocks, "GuardCallback")
+        self._precision = Precision(precision, "GuardCallback")
         if (
             not isinstance(monitor_every, int)
             or isinstance(monitor_every, bool)
@@ -144,6 +149,7 @@ class GuardCallback(pl.Callback):
                 "GuardCallback guards automatic optimization; with manual optimization wrap "
                 "your optimizer in isotrain.guard.GuardedOptimizer yourself"
             )
+        self._take_precision(trainer, pl_module)  # NOTE [bf16-matmul in trainers]
         self._patterns.apply(pl_module)  # NOTE [patterns in trainers]
         max_norm = self._take_clipping(trainer)
         scaler = self._take_scaler(trainer)
@@ -166,6 +172,25 @@ class GuardCallback(pl.Callback):
             inner = first.optimizer if isinstance(first, GuardedOptimizer) else first
             monitor = self.monitor = Monitor(pl_module, inner, every=self.monitor_every)
             self._undo.append(monitor.close)  # its findings stay readable
+
+    def _take_precision(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """With precision="bf16-matmul", run the training and validation steps in it."""
+        if not self._precision:
+            return
+        if str(trainer.precision) not in ("32-true", "32"):
+            self._precision.refuse_mixed(f"Trainer(precision={trainer.precision!r})")
+        self._precision.prepare(pl_module, pl_module.device)
+        plugin: Any = trainer.precision_plugin
+        for name in ("train_step_context", "val_step_context"):
+            theirs = getattr(plugin, name)
+
+            @contextlib.contextmanager
+            def step_context(theirs: Callable[[], Any] = theirs) -> Any:
+                with theirs(), self._precision.context(pl_module.device):
+                    yield
+
+            setattr(plugin, name, step_context)
+            self._undo.append(lambda name=name: vars(plugin).pop(name, None))
 
     def _take_clipping(self, trainer: pl.Trainer) -> float | None:
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm

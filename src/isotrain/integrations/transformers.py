@@ -19,6 +19,7 @@ from isotrain.doctor import Monitor
 from isotrain.guard import GuardedOptimizer, SkipReason
 from isotrain.integrations._extra import missing_extra
 from isotrain.integrations._patterns import CheckpointingOption, CompileOption, Patterns
+from isotrain.integrations._precision import Precision
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -38,7 +39,9 @@ __all__ = ["GuardedTrainer"]
 # clip/norm (`_clip_grad_norm`, `_get_grad_norm`) is turned off so clipping happens once; the
 # logged `grad_norm` is the guard's (pre-clip, as Trainer's). The guard's state rides inside the
 # optimizer's state dict, so `optimizer.pt` in every checkpoint holds it and resume restores it.
-_OVERRIDDEN = ("create_scheduler", "training_step", "_clip_grad_norm", "_get_grad_norm", "log")
+_OVERRIDDEN = (
+    "create_scheduler", "training_step", "compute_loss", "_clip_grad_norm", "_get_grad_norm", "log"
+)  # fmt: skip
 
 
 class _LogBaseline(TrainerCallback):
@@ -90,6 +93,8 @@ class GuardedTrainer(Trainer):
     subclass as ``class MyTrainer(GuardedTrainer, SFTTrainer)``. ``monitor_every=N`` adds an
     ``isotrain.doctor.Monitor`` checked every N optimizer steps (``trainer.monitor``; its
     findings are logged, and under torchrun the replicas are compared across ranks).
+    ``precision="bf16-matmul"`` computes every loss with bf16 matmuls and attention in fp32
+    (with ``args.bf16`` and ``args.fp16`` off; NOTE [bf16-matmul in trainers]).
 
     Example::
 
@@ -106,6 +111,7 @@ class GuardedTrainer(Trainer):
         checkpointing: CheckpointingOption = None,
         compile_blocks: CompileOption = False,
         monitor_every: int = 0,
+        precision: str | None = None,
         **kwargs: Any,
     ) -> None:
         missing = [m for m in _OVERRIDDEN if not hasattr(Trainer, m)]
@@ -121,7 +127,10 @@ class GuardedTrainer(Trainer):
                 "accelerate: leave them out of guard_options"
             )
         patterns = Patterns(checkpointing, compile_blocks, "GuardedTrainer")
+        self._precision = Precision(precision, "GuardedTrainer")
         super().__init__(*args, **kwargs)
+        if self._precision:
+            self._apply_precision()
         if patterns:
             self._apply_patterns(patterns)
         if self.args.fp16 and not getattr(self.accelerator, "native_amp", True):
@@ -137,6 +146,18 @@ class GuardedTrainer(Trainer):
         self.monitor_every, self.monitor = _period(monitor_every), cast(Monitor | None, None)
         if monitor_every:
             self.add_callback(_Monitoring(self))
+
+    def _apply_precision(self) -> None:
+        """NOTE [bf16-matmul in trainers]; refuses Trainer's own mixed precision beside it."""
+        for theirs in ("bf16", "fp16"):
+            if getattr(self.args, theirs, False):
+                self._precision.refuse_mixed(f"args.{theirs}=True")
+        if self.model_init is not None or self.model is None:
+            raise ValueError(
+                "GuardedTrainer(precision='bf16-matmul') needs model= (model_init builds a new "
+                "model at each train())"
+            )
+        self._precision.prepare(self.model, self.args.device)
 
     def _apply_patterns(self, patterns: Patterns) -> None:
         """NOTE [patterns in trainers]; refuses what would apply a pattern twice or not at all."""
@@ -193,6 +214,11 @@ class GuardedTrainer(Trainer):
         if guarded is not None:
             guarded.observe_loss(loss)
         return loss
+
+    def compute_loss(self, model: nn.Module, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's loss, in bf16 matmuls and fp32 attention with precision="bf16-matmul"."""
+        with self._precision.context(self.args.device):
+            return super().compute_loss(model, inputs, *args, **kwargs)
 
     def _clip_grad_norm(self, model: nn.Module) -> Any:
         return None if self._guarded() is not None else super()._clip_grad_norm(model)

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from isotrain.train.environment import check_device, check_directory, check_extra
+from isotrain.train.environment import (
+    check_cpu_kind,
+    check_device,
+    check_directory,
+    check_extra,
+)
 from isotrain.train.fields import ConfigError, check_types, flag, flag_value, overlay
 from isotrain.train.model.shape import GPTConfig
 
@@ -415,6 +420,7 @@ def _check_relations(cfg: TrainConfig) -> None:
 def _check_environment(cfg: TrainConfig) -> None:
     """What the machine must offer: the device, the run directory, optional packages."""
     check_device(cfg.device)
+    check_cpu_kind()
     check_directory("--out-dir", cfg.out_dir)
     check_directory("--resume", cfg.resume)
     for name in ("tensorboard", "wandb"):

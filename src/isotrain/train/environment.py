@@ -26,6 +26,7 @@ __all__ = [
     "LAUNCHER",
     "OutOfMemory",
     "available_memory",
+    "check_cpu_kind",
     "check_device",
     "check_directory",
     "check_extra",
@@ -148,6 +149,16 @@ def check_device(name: str) -> None:
         ok = dev.type == "cpu" or bool(getattr(backend, "is_available", lambda: False)())
     if not ok:
         raise ConfigError(f"--device {name!r}: this machine has no such device; try --device cpu")
+
+
+def check_cpu_kind() -> None:
+    """Refuse an unknown ISOTRAIN_CPU_KIND before anything is built (it picks the bf16 paths)."""
+    from isotrain.autograd import forced_cpu_kind  # imports torch: after the flags are parsed
+
+    try:
+        forced_cpu_kind()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_directory(option: str, path: str | None) -> None:

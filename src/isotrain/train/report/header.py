@@ -10,14 +10,16 @@ import torch
 
 from isotrain.train.config import flag
 from isotrain.train.data import batches as data_mod
+from isotrain.train.precision.capability import forced_kind_note
 from isotrain.train.state import Run
 
 __all__ = ["loss_line", "precision_line", "run_facts", "settings_lines"]
 
 
 def run_facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[str]:
-    """The run header: model, data, device (with subnormal flushing on a CPU), precision (as
-    the caller describes it: the setting, or what auto chose and why), run directory."""
+    """The run header: model, data, device (with subnormal flushing on a CPU; the CPU kind when
+    ISOTRAIN_CPU_KIND forces it), precision (as the caller describes it: the setting, or what
+    auto chose and why), run directory."""
     cfg, m = run.cfg, run.cfg.model
     params = run.model.num_params()
     where = f"resumed at step {first}" if first else "new run"
@@ -32,12 +34,14 @@ def run_facts(run: Run, first: int, *, precision: str, flushed: bool) -> list[st
         n = torch.get_num_threads()
         threads = f", {n} thread{'s' if n != 1 else ''}, subnormals {how}{why}"
     world = f", {run.dist.world_size} ranks ({cfg.parallel.mode})" if run.dist.distributed else ""
+    forced = forced_kind_note() if dev.type == "cpu" else ""
     return [
         f"model      {params / 1e6:.2f}M parameters: {m.n_layer} layers, d_model {m.d_model}, "
         f"{m.n_head} heads, context {m.block_size}",
         f"data       {run.batches.corpus.describe()}",
         f"tokenizer  {run.tokenizer.describe()}",
         f"device     {dev}{threads}{world}",
+        *([f"cpu kind   {forced}"] if forced else []),
         f"precision  {precision}",
         f"steps      {cfg.steps}, batch {cfg.data.batch_size} x {cfg.grad_accum}, "
         f"eval every {cfg.eval_every}, log every {cfg.log_every}",
