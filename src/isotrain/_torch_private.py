@@ -44,6 +44,7 @@ __all__ = [
     "is_dynamo_error",
     "is_recompile_error",
     "non_persistent_buffer_names",
+    "optimizer_set_up",
     "recompile_limit",
     "recompile_limit_at_least",
     "scaler_has_unscaled",
@@ -125,6 +126,12 @@ def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         g.get("fused") for g in optimizer.param_groups
     )
+
+
+def optimizer_set_up(optimizer: Any) -> bool:
+    """Whether torch.optim.Optimizer.__init__ ran on `optimizer` (a framework's wrapper that
+    subclasses it only to delegate, such as accelerate's, never runs it: no step hooks)."""
+    return hasattr(optimizer, "_optimizer_step_pre_hooks")
 
 
 # -- tensors ----------------------------------------------------------------------------------

@@ -34,7 +34,11 @@ __all__ = [
 # for ATen's AVX2 reductions and elementwise kernels). Correctness follows the kind; timings
 # stay the machine's.
 CPU_KIND_ENV = "ISOTRAIN_CPU_KIND"
+"""The environment variable that forces the CPU kind (one of `CPU_KINDS`) isotrain's bf16
+paths are chosen for, e.g. ``ISOTRAIN_CPU_KIND=avx2 make test``."""
 CPU_KINDS = ("avx2", "avx512-bf16", "amx")
+"""The CPU kinds with a bf16 path of their own: Bf16Linear's layout op on AVX2, ATen's matmuls
+on AVX512-BF16 and AMX; e.g. ``"avx2" in CPU_KINDS``."""
 _BASE = {"fpu", "sse", "sse2", "avx", "avx2", "fma", "f16c"}
 _AVX512 = _BASE | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 _KIND_FLAGS = {

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
+from isotrain._torch_private import optimizer_set_up
 from isotrain.doctor import (
     data,
     losses,
@@ -186,10 +187,28 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
         log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)
 
 
+_WRAPPED = ("optimizer", "_optimizer", "optim")  # where frameworks keep the optimizer they wrap
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer a framework's wrapper delegates to (accelerate's
+    AcceleratedOptimizer, Lightning's LightningOptimizer and the like), else `optimizer`."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if isinstance(optimizer, torch.optim.Optimizer) and optimizer_set_up(optimizer):
+            return optimizer
+        held = (getattr(optimizer, name, None) for name in _WRAPPED)
+        inside = next((o for o in held if isinstance(o, torch.optim.Optimizer)), None)
+        if inside is None:
+            return optimizer
+        optimizer = inside
+    return optimizer
+
+
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers in `optimizer` (one, or a sequence of them: a GAN's two)."""
+    """The torch optimizers in `optimizer` (one, or a sequence of them: a GAN's two), each
+    taken out of a framework's wrapper; the user's step still gets what they passed."""
     many = isinstance(optimizer, (list, tuple))
-    found = list(optimizer) if many else [optimizer]
+    found = [_unwrapped(o) for o in (optimizer if many else [optimizer])]
     bad = [o for o in found if not isinstance(o, torch.optim.Optimizer)]
     if bad or not found:
         what = type(bad[0]).__name__ if bad else "an empty sequence"
@@ -208,6 +227,7 @@ def examine(
     step: StepFn | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     eval_fn: Callable[[nn.Module, Any], Any] | None = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
     checks: str | Sequence[str] = "all",
     task: str | None = None,
     samples_interact: bool = False,
@@ -224,6 +244,11 @@ def examine(
     batch) -> loss` is your own training step; without it `loss_fn(model, batch) -> loss`
     drives a plain one, and a dict batch needs neither when the model returns `.loss`
     (`model(**batch).loss`, as Hugging Face models do).
+
+    Checks that run a forward of their own call the model exactly as your step does for that
+    batch (its arguments are recorded from your step, which stops there and is put back);
+    `forward(model, batch) -> output` tells them how where your step calls only the model's
+    parts (a GAN's two networks) or the model returns only its loss.
 
     Declarations for setups that are right but unusual: `samples_interact=True` when the
     samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
@@ -246,7 +271,7 @@ def examine(
     items = _batches(batches, rng)
     ctx = Context(
         model, optimizer, optimizers, items, step or _plain_step(_loss_of(items, loss_fn)),
-        eval_fn, task, step is None, rng, source=batches,
+        eval_fn, task, step is None, rng, source=batches, forward=forward,
         samples_interact=samples_interact, loss_falls=loss_falls,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip

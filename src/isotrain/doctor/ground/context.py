@@ -7,8 +7,8 @@ examine puts it back again after every check. `copies()` is for structural trial
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +19,7 @@ from torch import nn
 from isotrain._shared import restore_rng
 from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor.ground.globals import StepState
+from isotrain.doctor.ground.inputs import ModelCall, Stop
 from isotrain.doctor.ground.snapshot import Snapshot
 
 __all__ = [
@@ -27,7 +28,6 @@ __all__ = [
 ]  # fmt: skip
 
 StepFn = Callable[[nn.Module, Any, Any], Any]  # (model, optimizer(s), batch) -> loss
-_LABELS = ("labels", "label", "targets", "target", "y")
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 # norms that subtract each channel's own mean: a per-channel bias before them cancels out
 STAT_NORMS = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
@@ -71,6 +71,7 @@ class Context:
     cache: dict[str, Any] = field(default_factory=dict)
     source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     ranks: Any = None  # the doctor's link between ranks (a ranks.link.Ranks) under a process group
+    forward: Callable[[nn.Module, Any], Any] | None = None  # the user's: how to call the model
     snapshot: Snapshot = field(init=False)
     step_state: StepState = field(init=False)
     settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began
@@ -124,66 +125,105 @@ class Context:
         """The user's step."""
         return self.step(model, opt, batch)
 
-    # -- the model's inputs and outputs ------------------------------------------------------
-    def split(self, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The model's inputs in `batch`: a tensor, the first item of a tuple, or a dict's
-        entries (labels too when the forward takes them: an encoder-decoder builds its
-        decoder's inputs from them)."""
-        if isinstance(batch, torch.Tensor):
-            return (batch,), {}
-        if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
-            return (batch[0],), {}
-        if isinstance(batch, dict):
-            takes = _takes(inner(self.model))
-            return (), {k: v for k, v in batch.items() if k not in _LABELS or takes(k)}
-        raise ValueError(
-            f"cannot find the model's inputs in a batch of type {type(batch).__name__}: the "
-            "doctor feeds a tensor, the first tensor of a tuple, or a dict's non-label entries"
-        )
+    # -- how the model is called: NOTE [the user's call] in ground.inputs -------------------
+    def call(self, batch: Any) -> ModelCall:
+        """How the user's code calls the model for `batch` (recorded once per batch); CannotRun
+        saying what to pass where their step never calls the model itself."""
+        key = ("model call", id(batch))
+        if key not in self.cache:
+            self.cache[key] = self._recorded(batch)
+        found = self.cache[key]
+        if isinstance(found, str):
+            raise CannotRun(found)
+        return found
+
+    def _recorded(self, batch: Any) -> ModelCall | str:
+        """The user's `forward`, or the arguments their step passes the model (the step stopped
+        at that call and put back), or why there are none."""
+        if self.forward is not None:
+            return ModelCall((batch,), {}, self.forward)
+        model, opt = self.fresh()
+        seen: list[ModelCall] = []
+
+        def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen.append(ModelCall(tuple(args), dict(kwargs)))
+            raise Stop
+
+        handle = model.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            with torch.compiler.set_stance("force_eager"):
+                self.run_step(model, opt, batch)
+        except Stop:
+            pass
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0][:120]
+            return (
+                f"your step raised {type(e).__name__} before it called the model ({first}); "
+                "pass forward=(model, batch) -> output to say how to call it"
+            )
+        finally:
+            handle.remove()
+            self.reset()
+        if not seen:
+            return (
+                "your step does not call the model it is given (it calls its parts): pass "
+                "forward=(model, batch) -> output to say how to call it"
+            )
+        return seen[0]
+
+    def run_model(self, model: nn.Module, call: ModelCall) -> Any:
+        """`call(model)`; a forward that raises here is the setup's, not the doctor's: CannotRun
+        with its first line."""
+        try:
+            return call(model)
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0][:120]
+            raise CannotRun(
+                f"the model raised {type(e).__name__} ({first}) when called as your step calls "
+                "it; pass forward=(model, batch) -> output if it needs another call"
+            ) from e
 
     def forward_once(self, model: nn.Module, handles: list[Any]) -> None:
         """One no-grad forward of the first batch (hooks watching it), then `handles` removed."""
-        args, kwargs = self.split(self.batches[0])
         try:
+            call = self.call(self.batches[0])
             with torch.no_grad():
-                model(*args, **kwargs)
+                self.run_model(model, call)
         finally:
             for h in handles:
                 h.remove()
 
-    def main_input(self, batch: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
-        """The batch's main input tensor and a function that rebuilds the batch around another."""
-        args, kwargs = self.split(batch)
-        if args:
-            return args[0], lambda t: ((t,), kwargs)
-        key = "input_ids" if "input_ids" in kwargs else None
-        if key is None:
-            key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-        if key is None:
-            raise ValueError("the batch dict holds no tensor to feed the model")
-        return kwargs[key], lambda t: ((), {**kwargs, key: t})
+    def main_input(self, batch: Any) -> tuple[torch.Tensor, Callable[[torch.Tensor], ModelCall]]:
+        """The main input tensor of the model's call for `batch`, and a function that makes
+        the same call around another tensor (CannotRun when the call holds no tensor)."""
+        call = self.call(batch)
+        try:
+            return call.main_input(), call.with_main
+        except ValueError as e:
+            raise CannotRun(str(e)) from e
 
-    def outputs(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The model's main output tensor (logits): `.logits`, or its first floating tensor."""
-        out = model(*args, **kwargs)
-        logits = getattr(out, "logits", None)
-        if isinstance(logits, torch.Tensor):
-            return logits
-        t = first_tensor(out)
-        if t is None:
-            raise ValueError(f"the model returned no floating tensor ({type(out).__name__})")
+    def outputs(self, model: nn.Module, call: ModelCall) -> torch.Tensor:
+        """The model's main output tensor (logits) for `call`: `.logits`, or its first floating
+        tensor. A model that returns only its loss when given targets (`model(x, y)`) is
+        called again without them (ModelCall.without_targets); CannotRun if that fails too."""
+        t = _main_output(self.run_model(model, call))
+        if t is not None and t.dim() == 0 and call.forward is None:
+            bare = call.without_targets()
+            if bare is not None:
+                with contextlib.suppress(CannotRun):
+                    t = _main_output(self.run_model(model, bare))
+        if t is None or t.dim() == 0:
+            what = "only a scalar (a loss)" if t is not None else "no floating tensor"
+            raise CannotRun(
+                f"the model returns {what}; pass forward=(model, batch) -> per-sample outputs"
+            )
         return t
 
 
-def _takes(model: nn.Module) -> Callable[[str], bool]:
-    """Whether the model's forward accepts a keyword of that name."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return lambda name: False
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return lambda name: True
-    return lambda name: name in params
+def _main_output(out: Any) -> torch.Tensor | None:
+    """`.logits`, or the first floating tensor of a (nested) output."""
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else first_tensor(out)
 
 
 def inner(model: nn.Module) -> nn.Module:

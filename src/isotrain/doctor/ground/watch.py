@@ -173,7 +173,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def value_ranges(args: Any) -> str:
     """min..max of each floating tensor among `args`, for the evidence."""
     out = []
-    for t in map(local, (t for t in tree_leaves(args) if isinstance(t, torch.Tensor))):
+    for t in _dense(args):
         if t.is_floating_point() and t.numel():
             finite = t[torch.isfinite(t)]
             lo, hi = (finite.min().item(), finite.max().item()) if finite.numel() else (0.0, 0.0)
@@ -224,10 +224,10 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
     for device in ("cpu", "cuda"):
         if torch.is_autocast_enabled(device):
             watch.autocast.add(torch.get_autocast_dtype(device))
-    x = local(args[0]) if args and isinstance(args[0], torch.Tensor) else None
+    x = next(iter(_dense(args[:1])), None) if args else None
     if x is not None and x.is_floating_point() and x.numel():
         _risky_input(watch, func, x)
-    outs = [local(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    outs = _dense(out)
     for t in outs:
         if t.dtype in (torch.float16, torch.bfloat16) and t.numel():
             big, top = float(t.abs().max().item()), torch.finfo(t.dtype).max
@@ -238,10 +238,17 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
                     f"within 64x of its largest finite value {top:.3g}",
                 )
     if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
-        floats = [local(t) for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        floats = _dense(args)
         if not any(t.is_floating_point() and bad_values(t) for t in floats):
             name = str(func.overloadpacket.__name__)  # this op made it: later ones carry it
             watch.nonfinite = (name, user_site().where, value_ranges(args))
+
+
+def _dense(obj: Any) -> list[torch.Tensor]:
+    """The strided tensors in `obj` (a DTensor's local shard): a sparse or nested tensor's
+    values are the user's ops' business, and comparing them is an op their layout may lack."""
+    found = (local(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+    return [t for t in found if t.layout == torch.strided and not t.is_nested]
 
 
 def bad_values(t: torch.Tensor) -> int:

@@ -104,9 +104,9 @@ def check_overfit(ctx: Context) -> list[Finding]:
 
 
 def _classes(ctx: Context, model: nn.Module) -> int:
-    args, kwargs = ctx.split(ctx.batches[0])
+    call = ctx.call(ctx.batches[0])
     with torch.no_grad():
-        logits = ctx.outputs(model, args, kwargs)
+        logits = ctx.outputs(model, call)
     return int(logits.shape[-1])
 
 

@@ -54,7 +54,7 @@ def _token_ids(ctx: Context, batch: Any) -> torch.Tensor | None:
     else:
         try:
             ids = ctx.main_input(batch)[0]
-        except ValueError:
+        except CannotRun:
             return None
     ok = isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()
     return ids if ok and ids.shape[1] >= 2 else None

@@ -33,6 +33,11 @@ def _perturb_first(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def _perturb_last(x: torch.Tensor) -> torch.Tensor:
+    """`x` with its last row along dim 0 changed, as `_perturb_first` changes the first."""
+    return _perturb_first(x.flip(0)).flip(0)
+
+
 def _two_forwards(
     ctx: Context, model: nn.Module, batch: Any, change: Any, *, train: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,9 +49,9 @@ def _two_forwards(
     rng = capture_rng()
     with torch.no_grad():
         with buffers_restored([model]):  # a forward that writes buffers (power iteration)
-            a = ctx.outputs(model, *rebuild(x)).float()  # starts the second one from the same
+            a = ctx.outputs(model, rebuild(x)).float()  # starts the second one from the same
         restore_rng(rng)
-        b = ctx.outputs(model, *rebuild(change(x))).float()
+        b = ctx.outputs(model, rebuild(change(x))).float()
     return a, b
 
 
@@ -54,6 +59,12 @@ def _mixed(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest change in the outputs of samples 1.. (relative to their scale)."""
     scale = a[1:].abs().max().clamp_min(1e-6)
     return float(((a[1:] - b[1:]).abs().max() / scale).item())
+
+
+def _mixed_before_last(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest change in the outputs of rows 0..B-2 (relative to their scale)."""
+    scale = a[:-1].abs().max().clamp_min(1e-6)
+    return float(((a[:-1] - b[:-1]).abs().max() / scale).item())
 
 
 def check_batch_mixing(ctx: Context) -> list[Finding]:
@@ -75,6 +86,14 @@ def check_batch_mixing(ctx: Context) -> list[Finding]:
             f"sample 0's input changes the others' outputs (by {change:.2g} relative), as "
             "declared: samples_interact=True",
             "nothing to fix",
+        )]  # fmt: skip
+    if _mixed_before_last(*_two_forwards(ctx, model, batch, _perturb_last, train=True)) <= 1e-5:
+        return [Finding(
+            "batch_mixing", "info", "model forward",
+            f"row 0's input changes the later rows' outputs (by {change:.2g} relative) and the "
+            "last row's changes no earlier one: dim 0 runs one way, like time (a time-major "
+            "RNN's (T, B) input), not independent samples",
+            "nothing to fix when dim 0 is time; where it holds samples, something runs along it",
         )]  # fmt: skip
     across = _cross_sample_op(ctx, model, batch, x.shape[0])
     if across is not None:
@@ -144,10 +163,10 @@ def _cross_sample_op(
     ctx: Context, model: nn.Module, batch: Any, rows: int
 ) -> tuple[str, str] | None:
     """(op, file:line) of the first op of the forward that indexes across dim 0, or None."""
-    args, kwargs = ctx.split(batch)
+    call = ctx.call(batch)
     mode = _AcrossRows(rows)
     with torch.no_grad(), buffers_restored([model]), mode:
-        model(*args, **kwargs)
+        ctx.run_model(model, call)
     return mode.found
 
 

@@ -69,10 +69,10 @@ def _first_nonfinite(model: nn.Module) -> Iterator[list[tuple[str, str]]]:
 
 def check_nonfinite(ctx: Context) -> list[Finding]:
     """nonfinite_forward: the first module (or, outside modules, op) that makes a NaN/Inf."""
+    call = ctx.call(ctx.batches[0])
     model, _ = ctx.fresh()
-    args, kwargs = ctx.split(ctx.batches[0])
     with _first_nonfinite(model) as found, torch.no_grad():
-        model(*args, **kwargs)
+        ctx.run_model(model, call)
     if found:
         where, evidence = found[0]
         return [Finding("nonfinite_forward", "error", where, evidence, _NAN_FIX)]

@@ -141,9 +141,11 @@ def check_recompiles(ctx: Context) -> list[Finding]:
     _need_compile(model)
     compiled = _fresh_compiled()
     with track_compiles() as stats, torch.no_grad():
-        for batch in ctx.batches:
-            args, kwargs = ctx.split(batch)
-            compiled(model, args, kwargs)
+        for call in [ctx.call(b) for b in ctx.batches]:
+            if call.forward is not None:
+                compiled(call.forward, (model, *call.args), {})
+            else:
+                compiled(model, call.args, call.kwargs)
     if not stats.recompiles:
         return []
     reasons = sorted({" ".join(r.split()) for r in stats.recompile_reasons})

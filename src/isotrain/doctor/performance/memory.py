@@ -57,9 +57,12 @@ def _mb(n: int) -> str:
 
 def check_memory(ctx: Context) -> list[Finding]:
     """Saved bytes per block, and the first policy that halves the total."""
+    call = ctx.call(ctx.batches[0])
+    if call.forward is not None:
+        raise CannotRun("it measures the model's own call, and forward= replaces that call")
     model = ctx.copies()
     spec = _block_spec(model)
-    args, kwargs = ctx.split(ctx.batches[0])
+    args, kwargs = call.args, call.kwargs
 
     def measure(m: nn.Module) -> MemoryReport:
         with warnings.catch_warnings():  # e.g. HF's use_cache note: about a trial, not the user

@@ -8,6 +8,7 @@ show whether the validation pass changes the training that follows.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,7 +17,7 @@ from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng, rng_differences
 from isotrain.contexts import StateAudit
-from isotrain.doctor.ground.context import BATCH_NORMS, CannotRun, Context, params_of
+from isotrain.doctor.ground.context import BATCH_NORMS, CannotRun, Context, as_loss, params_of
 from isotrain.doctor.ground.finding import Finding, Severity
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.probe import probe_ok
@@ -126,6 +127,46 @@ def _mode_spy(model: nn.Module) -> Iterator[dict[str, str]]:
             h.remove()
 
 
+def _step_result(ctx: Context, modes: dict[str, bool] | None) -> list[torch.Tensor]:
+    """The loss and parameters after one call of the user's step from the state examine found,
+    its modules' training flags set to `modes` first (None: as found)."""
+    model, opt = ctx.fresh()
+    if modes is not None:
+        for name, m in model.named_modules():
+            m.training = modes.get(name, m.training)
+    loss = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
+    kept = [] if loss is None else [loss.detach().clone()]
+    return kept + [p.detach().clone() for p in params_of(model).values()]
+
+
+def _judged(ctx: Context, finding: Finding, left: dict[str, bool]) -> Finding:
+    """A mode_leak of eval_fn judged by what it does: an error when the user's next step,
+    started from the modes eval_fn left, computes another loss or update than from the modes
+    it found; information when it computes the same (it sets the mode itself, or nothing the
+    step runs reads it)."""
+    if finding.kind != "mode_leak":
+        return finding
+    try:
+        same = all(
+            torch.equal(a, b)
+            for a, b in zip(_step_result(ctx, None), _step_result(ctx, left), strict=True)
+        )
+    except Exception:  # the step cannot run twice here: the leak is judged by itself
+        return finding
+    finally:
+        ctx.reset()
+    if not same:
+        return dataclasses.replace(
+            finding, evidence=finding.evidence + "; your next step, run from there, computes "
+            "another loss and update than from the modes it found"
+        )  # fmt: skip
+    return dataclasses.replace(
+        finding, severity="info", evidence=finding.evidence + "; your next step, run from "
+        "there, computes the same loss and update bit for bit (it sets the mode itself, or "
+        "nothing it runs reads the mode): no effect on this training",
+    )  # fmt: skip
+
+
 def check_leaks(ctx: Context) -> list[Finding]:
     """mode/grad/autocast/global leaks of the step and of eval_fn, eval_in_train_mode,
     buffer_write_in_eval."""
@@ -139,8 +180,9 @@ def check_leaks(ctx: Context) -> list[Finding]:
     audit = StateAudit(model, warn=False)
     with _mode_spy(model) as spied, audit:
         ctx.eval_fn(model, ctx.batches)
+        left = {name: m.training for name, m in model.named_modules()}
     audit.restore()
-    out += _leak_findings(audit.differences, "eval_fn")
+    out += [_judged(ctx, f, left) for f in _leak_findings(audit.differences, "eval_fn")]
     if spied:
         names = list(spied)
         out.append(

@@ -1,0 +1,112 @@
+"""How the user's code calls the model: taken from their own step, never guessed.
+
+NOTE [the user's call]
+A check that runs a forward of its own (batch_mixing, causal_leak, nonfinite_forward, memory,
+loss_at_init, the compile checks) calls the model exactly as the user's step does for that
+batch: the step runs with a forward pre-hook on the model that records the first call's
+arguments and stops the step right there (nothing after the call runs, and `Context.reset`
+puts back what ran before it). So an RNN gets its hidden state, a graph model its adjacency,
+a seq2seq model its masks, a model that computes its own loss its labels. Where the step calls
+only the model's parts (a GAN's two networks), the user passes `forward=(model, batch) ->
+output`; without it those checks say "not checked" and what to pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["ModelCall", "Stop", "main_path", "replaced"]
+
+Path = tuple[Any, ...]
+_TARGETS = ("labels", "label", "targets", "target", "y")
+
+
+class Stop(BaseException):
+    """Raised by the recording hook to end the user's step at its model call (a BaseException,
+    so a step's own `except Exception` does not swallow it)."""
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """One batch's call of the model: the arguments the user's step passed it, or the user's
+    `forward(model, batch)` with `args == (batch,)`."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    forward: Callable[[Any, Any], Any] | None = None
+
+    def __call__(self, model: torch.nn.Module) -> Any:
+        """The model's output for this call."""
+        if self.forward is not None:
+            return self.forward(model, *self.args)
+        return model(*self.args, **self.kwargs)
+
+    def main_input(self) -> torch.Tensor:
+        """The input a perturbation changes: `input_ids` where there is one, else the first
+        tensor of at least one dimension; ValueError when the call holds none."""
+        return _get((self.args, self.kwargs), main_path(self.args, self.kwargs))
+
+    def without_targets(self) -> ModelCall | None:
+        """The call with what looks like its targets left out (positional arguments after the
+        first, keywords named like labels), for a model that returns only its loss when given
+        them; None when nothing would be left out."""
+        kwargs = {k: v for k, v in self.kwargs.items() if k not in _TARGETS}
+        if len(self.args) <= 1 and len(kwargs) == len(self.kwargs):
+            return None
+        return ModelCall(self.args[:1], kwargs)
+
+    def with_main(self, x: torch.Tensor) -> ModelCall:
+        """The same call with its main input replaced by `x`."""
+        path = main_path(self.args, self.kwargs)
+        args, kwargs = replaced((self.args, self.kwargs), path, x)
+        return ModelCall(args, kwargs, self.forward)
+
+
+def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:
+    """(path, tensor) of every tensor in nested tuples, lists and mappings, in order."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _leaves(v, (*path, k))
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, (*path, i))
+
+
+def main_path(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Path:
+    """Where the main input sits in (args, kwargs)."""
+    found = [(p, t) for p, t in _leaves((args, kwargs)) if t.dim() >= 1]
+    for p, _ in found:
+        if p and p[-1] == "input_ids":
+            return p
+    if not found:
+        raise ValueError("the model is called with no tensor of at least one dimension")
+    return found[0][0]
+
+
+def _get(obj: Any, path: Path) -> Any:
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+def replaced(obj: Any, path: Path, new: Any) -> Any:
+    """`obj` rebuilt with the value at `path` replaced (containers copied, never changed)."""
+    if not path:
+        return new
+    key, rest = path[0], path[1:]
+    if isinstance(obj, Mapping):
+        items = {k: replaced(v, rest, new) if k == key else v for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    items = [replaced(v, rest, new) if i == key else v for i, v in enumerate(obj)]
+    if isinstance(obj, list):
+        return items
+    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)

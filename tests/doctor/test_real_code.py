@@ -1,0 +1,127 @@
+"""The doctor on training code as public repositories write it (tests/doctor/zoo_real.py):
+their own model calls, optimizer wrappers and batches, correct code every one, so no error,
+no warning, no doctor_error, everything put back, and the fast checks well inside 10 s."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.doctor.test_trust import examined_untouched, no_alarm
+from tests.doctor.zoo_real import REAL
+from torch import nn
+
+from isotrain.doctor import examine
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_training_code_gets_no_alarm_and_comes_back_untouched(name: str) -> None:
+    started = time.perf_counter()
+    d = examined_untouched(REAL[name](), checks="fast")
+    assert time.perf_counter() - started < 10
+    assert d.of("doctor_error") == [], d
+    no_alarm(d)
+
+
+def _not_checked(d: object, kind: str) -> list[str]:
+    return [f.evidence for f in d.of(kind) if f.evidence.startswith("not checked")]  # type: ignore[attr-defined]
+
+
+def test_checks_call_the_model_as_the_step_does() -> None:
+    """An RNN fed its hidden state, a graph model its sparse adjacency, a seq2seq model its
+    masks, a model that computes its own loss: each check with a forward of its own runs."""
+    for name in ("rnn_carried_state", "gcn_sparse_graph", "seq2seq_masks",
+                 "model_returns_its_loss"):  # fmt: skip
+        d = examine(**REAL[name](), checks=["batch_mixing", "nonfinite_forward"])
+        assert _not_checked(d, "batch_mixing") == [], (name, d)
+        assert _not_checked(d, "nonfinite_forward") == [], (name, d)
+
+
+def test_a_time_major_rnn_is_one_way_along_dim_0_not_mixed() -> None:
+    (f,) = examine(**REAL["rnn_carried_state"](), checks=["batch_mixing"]).of("batch_mixing")
+    assert f.severity == "info" and "dim 0 runs one way, like time" in f.evidence
+
+
+def test_a_step_that_calls_only_the_models_parts_is_told_to_pass_forward() -> None:
+    setup = REAL["gan_two_networks"]()
+    d = examine(**setup, checks=["batch_mixing"])
+    assert _not_checked(d, "batch_mixing") == [
+        "not checked: your step does not call the model it is given (it calls its parts): pass "
+        "forward=(model, batch) -> output to say how to call it"
+    ]
+    d = examine(**setup, checks=["batch_mixing"], forward=lambda m, batch: m["D"](batch))
+    assert d.findings == []  # the discriminator's rows stay apart
+
+
+def test_an_optimizer_inside_accelerates_wrapper_is_read() -> None:
+    setup = REAL["accelerate_loop"]()
+    d = examine(**setup, checks=["parameter_not_in_optimizer", "params_unchanged"])
+    assert d.findings == []
+    extra = nn.Parameter(torch.zeros(3))
+    setup["model"].register_parameter("extra", extra)
+    (f,) = examine(**setup, checks=["parameter_not_in_optimizer"]).findings
+    assert (f.kind, f.severity, f.where) == ("parameter_not_in_optimizer", "error", "extra")
+
+
+def test_a_forward_that_fails_in_the_doctors_call_is_not_checked_not_an_error() -> None:
+    """The doctor's own call of the model failing is information, never a doctor_error."""
+    setup = REAL["contrastive_pair"]()
+
+    def forward(model: nn.Module, batch: object) -> torch.Tensor:
+        raise RuntimeError("this model needs a call the doctor cannot make")
+
+    d = examine(**setup, checks=["batch_mixing"], forward=forward)
+    (f,) = d.findings
+    assert f.severity == "info" and f.evidence.startswith(
+        "not checked: the model raised RuntimeError (this model needs a call the doctor "
+        "cannot make)"
+    )
+
+
+def _classifier(dropout: float) -> dict[str, object]:
+    """pytorch/examples mnist's shape: train() sets model.train(), test() sets model.eval()
+    and never sets it back."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def evaluate(model: nn.Module, batches: object) -> float:
+        model.eval()
+        with torch.no_grad():
+            return sum(float(F.cross_entropy(model(x), y)) for x, y in batches)  # type: ignore[attr-defined]
+
+    def step(model: nn.Module, opt: object, batch: object) -> torch.Tensor:
+        x, y = batch  # type: ignore[misc]
+        opt.zero_grad()  # type: ignore[attr-defined]
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()  # type: ignore[attr-defined]
+        return loss
+
+    batches = [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(2)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step,
+            "eval_fn": evaluate}  # fmt: skip
+
+
+def test_mode_leak_is_an_error_only_when_the_next_step_runs_differently() -> None:
+    leaky = _classifier(0.5)
+    (f,) = examine(**leaky, checks=["mode_leak"]).findings
+    assert f.severity == "error" and f.evidence.endswith(
+        "your next step, run from there, computes another loss and update than from the modes "
+        "it found"
+    )
+    nothing_reads_it = _classifier(0.0)
+    (f,) = examine(**nothing_reads_it, checks=["mode_leak"]).findings
+    assert f.severity == "info" and "computes the same loss and update bit for bit" in f.evidence
+    resets = _classifier(0.5)
+    user_step = resets["step"]
+
+    def step(model: nn.Module, opt: object, batch: object) -> torch.Tensor:
+        model.train()  # the epoch loop's own reset, at the start of each step here
+        return user_step(model, opt, batch)  # type: ignore[operator]
+
+    resets["step"] = step
+    (f,) = examine(**resets, checks=["mode_leak"]).findings
+    assert f.severity == "info"

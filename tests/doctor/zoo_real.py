@@ -1,0 +1,309 @@
+"""Training setups rebuilt from public repositories' own training code, each with the repo's
+own way of calling its model, its optimizer wrapper and its step, on tiny synthetic data.
+
+Every `real_*` function returns the keyword arguments of `isotrain.doctor.examine`; each is
+correct code, so the doctor owes it no error and no warning (each docstring names the source
+and what in it is unusual for a checker).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["REAL"]
+
+
+def _seeded(setup: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """`setup` built under seed 0, the caller's RNG untouched."""
+
+    @functools.wraps(setup)
+    def built() -> dict[str, Any]:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            return setup()
+
+    return built
+
+
+class WordRNN(nn.Module):
+    """pytorch/examples word_language_model: an LSTM that takes and returns its hidden state."""
+
+    def __init__(self, vocab: int = 50, hidden: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.rnn = nn.LSTM(hidden, hidden)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, x: torch.Tensor, hidden: Any) -> tuple[torch.Tensor, Any]:
+        out, hidden = self.rnn(self.drop(self.emb(x)), hidden)
+        return self.out(self.drop(out)), hidden
+
+
+@_seeded
+def real_rnn_carried_state() -> dict[str, Any]:
+    """word_language_model's train(): hidden carried across batches and detached
+    (repackage_hidden), clip_grad_norm_, time-major batches."""
+    model = WordRNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    state: dict[str, Any] = {"hidden": (torch.zeros(1, 4, 16), torch.zeros(1, 4, 16))}
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        model.train()
+        hidden = tuple(h.detach() for h in state["hidden"])
+        opt.zero_grad()
+        out, state["hidden"] = model(x, hidden)
+        loss = F.cross_entropy(out.view(-1, out.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        opt.step()
+        return loss
+
+    batches = [(torch.randint(0, 50, (6, 4)), torch.randint(0, 50, (6, 4))) for _ in range(3)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+
+
+class GCN(nn.Module):
+    """tkipf/pygcn: two graph convolutions over a sparse, normalised adjacency."""
+
+    def __init__(self, features: int = 8, hidden: int = 16, classes: int = 3) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(features, hidden)
+        self.w2 = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor) -> torch.Tensor:
+        h = F.relu(torch.sparse.mm(adj, self.w1(x)))
+        h = F.dropout(h, 0.5, self.training)
+        return F.log_softmax(torch.sparse.mm(adj, self.w2(h)), dim=1)
+
+
+@_seeded
+def real_gcn_sparse_graph() -> dict[str, Any]:
+    """pygcn's train(): the whole graph every step, a sparse adjacency, nll_loss on the training
+    nodes only; nodes pass messages by design (samples_interact)."""
+    n = 12
+    dense = (torch.rand(n, n) < 0.3).float() + torch.eye(n)
+    adj = (dense / dense.sum(1, keepdim=True)).to_sparse()
+    graph = (torch.randn(n, 8), adj, torch.randint(0, 3, (n,)), torch.arange(8))
+    model = GCN()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, adj, labels, idx = batch
+        model.train()
+        opt.zero_grad()
+        loss = F.nll_loss(model(x, adj)[idx], labels[idx])
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": [graph, graph], "step": step,
+            "samples_interact": True}  # fmt: skip
+
+
+class Seq2Seq(nn.Module):
+    """A translation model on nn.Transformer, called with its padding and causal masks."""
+
+    def __init__(self, vocab: int = 30, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.core = nn.Transformer(d, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor, src_pad: torch.Tensor,
+                tgt_mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        h = self.core(self.emb(src), self.emb(tgt), tgt_mask=tgt_mask,
+                      src_key_padding_mask=src_pad, memory_key_padding_mask=src_pad)  # fmt: skip
+        return self.out(h)
+
+
+@_seeded
+def real_seq2seq_masks() -> dict[str, Any]:
+    """The PyTorch translation tutorial's train_epoch: target shifted by hand, a causal mask,
+    padding masks, cross_entropy with ignore_index=PAD."""
+    model = Seq2Seq()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        src, tgt = batch
+        tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt_in.shape[1])
+        logits = model(src, tgt_in, src == 0, mask)
+        opt.zero_grad()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt_out.reshape(-1),
+                               ignore_index=0)  # fmt: skip
+        loss.backward()
+        opt.step()
+        return loss
+
+    def pair() -> tuple[torch.Tensor, torch.Tensor]:
+        src, tgt = torch.randint(1, 30, (4, 7)), torch.randint(1, 30, (4, 8))
+        src[:, -2:] = 0
+        tgt[:, -1] = 0
+        return src, tgt
+
+    return {"model": model, "optimizer": opt, "batches": [pair(), pair()], "step": step}
+
+
+@_seeded
+def real_contrastive_pair() -> dict[str, Any]:
+    """SimCLR's train loop: two augmented views of each image through one encoder, the NT-Xent
+    loss over the 2B embeddings (samples are compared with each other by design)."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 16))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        v1, v2 = batch
+        z = F.normalize(torch.cat([model(v1), model(v2)]), dim=1)
+        sim = z @ z.T / 0.5
+        sim.fill_diagonal_(float("-inf"))
+        b = v1.shape[0]
+        targets = torch.cat([torch.arange(b, 2 * b), torch.arange(b)])
+        loss = F.cross_entropy(sim, targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    def views() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.rand(6, 3, 8, 8)
+        return x + 0.1 * torch.randn_like(x), x.flip(-1)
+
+    return {"model": model, "optimizer": opt, "batches": [views(), views()], "step": step}
+
+
+@_seeded
+def real_gan_two_networks() -> dict[str, Any]:
+    """pytorch/examples DCGAN's loop: D then G, each with its own Adam; the step calls the two
+    networks, never the container examine is given."""
+    gan = nn.ModuleDict({
+        "G": nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.Tanh()),
+        "D": nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)),
+    })  # fmt: skip
+    opt_d = torch.optim.Adam(gan["D"].parameters(), lr=2e-4, betas=(0.5, 0.999))
+    opt_g = torch.optim.Adam(gan["G"].parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        opt_d, opt_g = opts
+        real = batch
+        noise = torch.randn(real.shape[0], 4)
+        fake = model["G"](noise)
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        opt_d.zero_grad()
+        d_loss = F.binary_cross_entropy_with_logits(model["D"](real), ones)
+        d_loss = d_loss + F.binary_cross_entropy_with_logits(model["D"](fake.detach()), zeros)
+        d_loss.backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        g_loss = F.binary_cross_entropy_with_logits(model["D"](fake), ones)
+        g_loss.backward()
+        opt_g.step()
+        return g_loss
+
+    batches = [torch.rand(6, 8) * 2 - 1 for _ in range(2)]
+    return {"model": gan, "optimizer": [opt_d, opt_g], "batches": batches, "step": step}
+
+
+class OwnLossGPT(nn.Module):
+    """nanoGPT's GPT.forward(idx, targets): returns (logits, loss) and computes its own loss."""
+
+    def __init__(self, vocab: int = 40, d: int = 16, context: int = 8) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        t = idx.shape[1]
+        h = self.tok(idx) + self.pos(torch.arange(t))
+        h = h + torch.tril(torch.ones(t, t)).div(torch.arange(1, t + 1)[:, None]) @ self.mix(h)
+        logits = self.head(h)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+
+@_seeded
+def real_model_returns_its_loss() -> dict[str, Any]:
+    """nanoGPT's train.py: `logits, loss = model(X, Y)`, AdamW, clipping at 1.0."""
+    model = OwnLossGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def window() -> tuple[torch.Tensor, torch.Tensor]:
+        data = torch.randint(0, 40, (4, 9))
+        return data[:, :-1].clone(), data[:, 1:].clone()  # get_batch stacks: contiguous
+
+    return {"model": model, "optimizer": opt, "batches": [window(), window()], "step": step,
+            "task": "lm"}  # fmt: skip
+
+
+@_seeded
+def real_accelerate_loop() -> dict[str, Any]:
+    """A research repo trained through accelerate: model and optimizer from
+    `accelerator.prepare`, `accelerator.backward(loss)`; examine is given what prepare gave."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    batches = [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(2)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+
+
+@_seeded
+def real_lightning_optimizer() -> dict[str, Any]:
+    """A loop handed Lightning's LightningOptimizer (manual optimization's `self.optimizers()`)."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = LightningOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.optimizer.step()
+        return loss
+
+    batches = [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(2)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+
+
+REAL = {
+    "rnn_carried_state": real_rnn_carried_state,
+    "gcn_sparse_graph": real_gcn_sparse_graph,
+    "seq2seq_masks": real_seq2seq_masks,
+    "contrastive_pair": real_contrastive_pair,
+    "gan_two_networks": real_gan_two_networks,
+    "model_returns_its_loss": real_model_returns_its_loss,
+    "accelerate_loop": real_accelerate_loop,
+    "lightning_optimizer": real_lightning_optimizer,
+}
