@@ -5,24 +5,68 @@ no warning, no doctor_error, everything put back, and the fast checks well insid
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.doctor.test_trust import examined_untouched, no_alarm
+from tests.doctor.test_trust import examined_untouched, no_alarm, state_hash
 from tests.doctor.zoo_real import REAL
 from torch import nn
 
 from isotrain.doctor import examine
 
+EXTRAS = ("ema", "scheduler", "counter")  # what a setup's step keeps beside model and optimizer
+
+
+def _split(setup: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """examine's arguments, and the other objects the step writes (to check they come back)."""
+    return {k: v for k, v in setup.items() if k not in EXTRAS}, {
+        k: v for k, v in setup.items() if k in EXTRAS
+    }
+
+
+def _kept_state(extras: dict[str, Any]) -> Any:
+    """The extras' state, by value: a scheduler's state dict, an EMA's shadows and counter."""
+    out: dict[str, Any] = {}
+    if "scheduler" in extras:
+        out["scheduler"] = state_hash(extras["scheduler"])
+    if "ema" in extras:
+        ema = extras["ema"]
+        out["ema"] = (ema.updates, {k: v.clone() for k, v in ema.shadow.items()})
+    if "counter" in extras:
+        out["counter"] = dict(extras["counter"])
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
 
 @pytest.mark.parametrize("name", sorted(REAL))
 def test_real_training_code_gets_no_alarm_and_comes_back_untouched(name: str) -> None:
+    setup, extras = _split(REAL[name]())
+    before = _kept_state(extras)
     started = time.perf_counter()
-    d = examined_untouched(REAL[name](), checks="fast")
+    d = examined_untouched(setup, checks="fast")
     assert time.perf_counter() - started < 10
     assert d.of("doctor_error") == [], d
     no_alarm(d)
+    assert _same(_kept_state(extras), before)  # the EMA, the scheduler, the step counter
+
+
+@pytest.mark.parametrize("name", ["lora_finetune", "long_warmup", "diffusion_noise"])
+def test_slow_or_noisy_learning_is_not_a_cannot_overfit_warning(name: str) -> None:
+    """A LoRA rate, a warmup that keeps the lr near 0, a loss drawing new noise each call."""
+    setup, _ = _split(REAL[name]())
+    d = examine(**setup, checks=["cannot_overfit"])
+    assert [f for f in d.findings if f.severity != "info"] == [], d
 
 
 def _not_checked(d: object, kind: str) -> list[str]:

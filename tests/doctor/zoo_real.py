@@ -297,6 +297,228 @@ def real_lightning_optimizer() -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "batches": batches, "step": step}
 
 
+def _classifier() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _labelled(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(n)]
+
+
+@_seeded
+def real_gradscaler_loop() -> dict[str, Any]:
+    """The AMP recipe: scaler.scale(loss).backward(), unscale_ before clipping, scaler.step,
+    scaler.update (the scaler's own sync is inside torch)."""
+    model = _classifier()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
+
+
+@_seeded
+def real_lbfgs_loop() -> dict[str, Any]:
+    """pytorch/examples time_sequence_prediction: LBFGS with a closure over a sequence model."""
+    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 10))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.8)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        return opt.step(closure)
+
+    batches = [(torch.randn(8, 10), torch.randn(8, 10)) for _ in range(2)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+
+
+class EMA:
+    """timm's ModelEmaV2 shape: shadow copies updated in place after each step, and a counter."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
+        self.decay, self.updates = decay, 0
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        for n, p in model.named_parameters():
+            self.shadow[n].mul_(self.decay).add_(p.detach(), alpha=1 - self.decay)
+
+
+@_seeded
+def real_ema_loop() -> dict[str, Any]:
+    """A classifier whose step updates an EMA of its weights, an object the step closes over."""
+    model = _classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ema = EMA(model)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        ema.update(model)
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step, "ema": ema}
+
+
+class LoRALinear(nn.Module):
+    """A frozen base Linear plus a trainable low-rank update (B starts at zero), as peft does."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        self.b = nn.Parameter(torch.zeros(base.out_features, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.a.T @ self.b.T
+
+
+@_seeded
+def real_lora_finetune() -> dict[str, Any]:
+    """A LoRA fine-tune at its usual learning rate (2e-4): only the adapters train."""
+    model = nn.Sequential(LoRALinear(nn.Linear(8, 16)), nn.ReLU(), LoRALinear(nn.Linear(16, 3)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
+
+
+@_seeded
+def real_warmup_cosine() -> dict[str, Any]:
+    """A linear warmup then cosine decay (LambdaLR over 40 steps), stepped once per step."""
+    import math
+
+    model = _classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    total, warmup = 40, 4
+
+    def factor(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (i - warmup) / (total - warmup))))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step,
+            "scheduler": sched}  # fmt: skip
+
+
+@_seeded
+def real_step_counter_lr() -> dict[str, Any]:
+    """nanoGPT's get_lr(it): the step sets each group's lr from a global iteration counter."""
+    model = _classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    counter = {"iter": 0}
+
+    def get_lr(it: int) -> float:
+        return 1e-3 * min(1.0, (it + 1) / 10)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        for g in opt.param_groups:
+            g["lr"] = get_lr(counter["iter"])
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        counter["iter"] += 1
+        return loss
+
+    def evaluate(model: nn.Module, batches: Any) -> float:
+        model.eval()
+        with torch.no_grad():
+            out = sum(float(F.cross_entropy(model(x), y)) for x, y in batches)
+        model.train()
+        return out
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step,
+            "eval_fn": evaluate, "counter": counter}  # fmt: skip
+
+
+@_seeded
+def real_diffusion_noise() -> dict[str, Any]:
+    """A DDPM training step: a new timestep and new noise at every call, the model predicts
+    the noise (mse); the loss on one batch is a different draw each time."""
+    model = nn.Sequential(nn.Linear(9, 32), nn.SiLU(), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    betas = torch.linspace(1e-4, 0.02, 100)
+    alphas = torch.cumprod(1 - betas, 0)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x0 = batch
+        t = torch.randint(0, 100, (x0.shape[0],))
+        noise = torch.randn_like(x0)
+        a = alphas[t][:, None]
+        xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
+        loss = F.mse_loss(model(torch.cat([xt, t[:, None] / 100], 1)), noise)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": [torch.randn(8, 8) for _ in range(2)],
+            "step": step}  # fmt: skip
+
+
+@_seeded
+def real_long_warmup() -> dict[str, Any]:
+    """A fine-tune whose linear warmup spans 2000 steps: the lr stays near 0 for every step
+    the doctor runs."""
+    model = _classifier()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 2000))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step,
+            "scheduler": sched}  # fmt: skip
+
+
 REAL = {
     "rnn_carried_state": real_rnn_carried_state,
     "gcn_sparse_graph": real_gcn_sparse_graph,
@@ -306,4 +528,12 @@ REAL = {
     "model_returns_its_loss": real_model_returns_its_loss,
     "accelerate_loop": real_accelerate_loop,
     "lightning_optimizer": real_lightning_optimizer,
+    "gradscaler_loop": real_gradscaler_loop,
+    "lbfgs_loop": real_lbfgs_loop,
+    "ema_loop": real_ema_loop,
+    "lora_finetune": real_lora_finetune,
+    "warmup_cosine": real_warmup_cosine,
+    "step_counter_lr": real_step_counter_lr,
+    "diffusion_noise": real_diffusion_noise,
+    "long_warmup": real_long_warmup,
 }

@@ -78,7 +78,9 @@ class Context:
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
-        self.step_state = StepState(self.step, self.eval_fn)
+        self.step_state = StepState(
+            self.step, self.eval_fn, skip=[*self.model.modules(), *self.optimizers]
+        )
         self.settled = not (_is_ddp(self.model) and ddp_reduction_pending(self.model))
 
     def reset(self) -> None:
@@ -149,7 +151,8 @@ class Context:
             seen.append(ModelCall(tuple(args), dict(kwargs)))
             raise Stop
 
-        handle = model.register_forward_pre_hook(record, with_kwargs=True)
+        # first of all pre-hooks: an FSDP2 unshard never starts for a call that does not run
+        handle = model.register_forward_pre_hook(record, with_kwargs=True, prepend=True)
         try:
             with torch.compiler.set_stance("force_eager"):
                 self.run_step(model, opt, batch)

@@ -32,6 +32,7 @@ STDLIB_DIR = os.path.dirname(contextlib.__file__)
 # the whole doctor package, every room: its frames are never the user's
 DOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OPTIM = os.path.join(TORCH_DIR, "optim")
+_AMP = os.path.join(TORCH_DIR, "amp")  # GradScaler.step reads found_inf on the host by design
 _MODULE_CALL = os.path.join(TORCH_DIR, "nn", "modules", "module.py")
 # frames through which torch runs code of its own: a module's forward, autograd's engine
 _TORCH_CALLS = {
@@ -80,15 +81,15 @@ class Site:
 
 def user_site() -> Site:
     """The caller's `file:line` outside torch, the standard library and this package; an op
-    that torch's own code runs on the way (a torch module's forward, such as DDP's, or a
-    backward hook torch registered) counts as inside a library."""
+    that torch's own code runs on the way (a torch module's forward, such as DDP's, a
+    backward hook torch registered, GradScaler's step) counts as inside a library."""
     frame = sys._getframe(1)
     in_optim = in_torch = False
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_OPTIM):
             in_optim = True
-        if (path, frame.f_code.co_name) in _TORCH_CALLS:
+        if (path, frame.f_code.co_name) in _TORCH_CALLS or path.startswith(_AMP):
             in_torch = True
         if not (path.startswith((TORCH_DIR, STDLIB_DIR, DOCTOR_DIR)) or path.startswith("<frozen")):
             lib = "site-packages" in path or "dist-packages" in path

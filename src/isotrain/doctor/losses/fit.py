@@ -12,12 +12,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from itertools import pairwise
 from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain.doctor.ground.context import CannotRun, Context, as_loss
+from isotrain.doctor.ground.context import CannotRun, Context, as_loss, params_of
 from isotrain.doctor.ground.finding import Finding, Severity
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.probe import probe_ok
@@ -28,17 +29,22 @@ __all__ = ["LOSS_AT_INIT", "OVERFIT", "check_loss_at_init", "check_overfit"]
 OVERFIT_STEPS = 30
 BOOST = 10.0  # the second try's learning-rate factor
 _FELL = 0.9  # a loss that ends below 90% of where it started has fallen
+_STEADY = 0.8  # ... or that fell in 80% of the steps, by 1% at least: slow, but learning
+_NOISY = 0.05  # a loss that moves 5% with the RNG alone at the same weights is not judged
 
 
 @contextmanager
 def _lr_scaled(optimizers: list[torch.optim.Optimizer], factor: float) -> Iterator[None]:
-    """Each update runs with every group's lr times `factor`; the lr is put back after it."""
+    """Each update runs with every group's lr times `factor`, and at least the schedule's peak
+    (`initial_lr`) when factor > 1 (a warmup keeps the lr near 0 for the steps examined); the
+    lr is put back after it."""
     saved: list[list[Any]] = []
 
     def before(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         saved.append([g["lr"] for g in opt.param_groups])
         for g in opt.param_groups:
-            g["lr"] = g["lr"] * factor
+            peak = g.get("initial_lr", 0.0) if factor > 1 else 0.0
+            g["lr"] = max(g["lr"] * factor, peak)
 
     def after(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for g, lr in zip(opt.param_groups, saved.pop(), strict=True):
@@ -53,26 +59,43 @@ def _lr_scaled(optimizers: list[torch.optim.Optimizer], factor: float) -> Iterat
             h.remove()
 
 
-def _losses(ctx: Context, factor: float) -> tuple[float, float]:
-    """(first, best of the last three) losses over OVERFIT_STEPS steps on batch 0."""
+def _loss_of(value: Any) -> float:
+    loss = as_loss(value)
+    if loss is None:
+        raise CannotRun("the step returns no loss tensor to follow")
+    return float(loss.detach().float().mean())  # sync: the doctor, not the step
+
+
+def _losses(ctx: Context, factor: float) -> tuple[list[float], bool]:
+    """The losses of OVERFIT_STEPS steps on batch 0, and whether any parameter moved."""
     model, opt = ctx.fresh()
-    losses = []
+    start = [p.detach().clone() for p in params_of(model).values()]
     with _lr_scaled(ctx.optimizers, factor):
-        for _ in range(OVERFIT_STEPS):
-            value = as_loss(ctx.run_step(model, opt, ctx.batches[0]))
-            if value is None:
-                raise CannotRun("the step returns no loss tensor to follow")
-            losses.append(float(value.detach().float().mean()))  # sync: the doctor, not the step
-    return losses[0], min(losses[-3:])
+        losses = [_loss_of(ctx.run_step(model, opt, ctx.batches[0])) for _ in range(OVERFIT_STEPS)]
+    now = params_of(model).values()
+    return losses, any(not torch.equal(a, b) for a, b in zip(start, now, strict=True))
 
 
-def _fell(first: float, last: float) -> bool:
-    return math.isfinite(last) and last <= _FELL * first
+def _rng_spread(ctx: Context, first: float) -> float:
+    """How far the first loss moves when the step draws other random numbers (a diffusion
+    loss's timestep and noise, dropout), at the same weights: relative to the loss."""
+    model, opt = ctx.fresh()
+    torch.manual_seed(torch.initial_seed() + 1)  # examine puts the RNG back after the check
+    return abs(_loss_of(ctx.run_step(model, opt, ctx.batches[0])) - first) / max(abs(first), 1e-12)
+
+
+def _fell(losses: list[float]) -> bool:
+    """A clear fall (below 90%), or a steady one (1% or more, falling in 80% of the steps)."""
+    first, last = losses[0], min(losses[-3:])
+    if not math.isfinite(last):
+        return False
+    falls = sum(b < a for a, b in pairwise(losses)) / (len(losses) - 1)
+    return last <= _FELL * first or (last <= 0.99 * first and falls >= _STEADY)
 
 
 def check_overfit(ctx: Context) -> list[Finding]:
     """cannot_overfit: a few dozen steps on one repeated batch must lower its loss, at the
-    user's learning rate or at ten times it."""
+    user's learning rate or at ten times it (at least the schedule's peak)."""
     probe_ok(ctx)
     if ctx.loss_falls is False:
         raise CannotRun("declared loss_falls=False (a loss that is not meant to fall)")
@@ -81,15 +104,22 @@ def check_overfit(ctx: Context) -> list[Finding]:
             "several optimizers (or task='gan'): adversarial losses need not fall; pass "
             "loss_falls=True to check anyway"
         )
-    first, last = _losses(ctx, 1.0)
-    if _fell(first, last):
+    mine, moved = _losses(ctx, 1.0)
+    if _fell(mine):
         return []
-    at_boost = _losses(ctx, BOOST)
+    spread = _rng_spread(ctx, mine[0])
+    if moved and spread > _NOISY:  # learning, seen through noise: the loss cannot tell
+        raise CannotRun(
+            f"the loss moves {spread:.0%} with the random numbers the step draws at the same "
+            "weights (new noise or timesteps each call): one batch cannot be memorised"
+        )
+    boosted, _ = _losses(ctx, BOOST)
     seen = (
-        f"loss on one repeated batch went {first:.4g} -> {last:.4g} in {OVERFIT_STEPS} steps "
-        f"at your learning rate, {at_boost[0]:.4g} -> {at_boost[1]:.4g} at {BOOST:g}x"
+        f"loss on one repeated batch went {mine[0]:.4g} -> {min(mine[-3:]):.4g} in "
+        f"{OVERFIT_STEPS} steps at your learning rate, {boosted[0]:.4g} -> "
+        f"{min(boosted[-3:]):.4g} at {BOOST:g}x (at least the schedule's peak)"
     )
-    if _fell(*at_boost):
+    if _fell(boosted):
         return [Finding(
             "cannot_overfit", "info", "your step",
             seen + ": the model learns; your rate is gentle for memorising one batch",

@@ -218,9 +218,11 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
     ctx.run_step(model, opt, ctx.batches[0])
     after_first = capture_rng()
     middle = Snapshot(model, ctx.optimizers, ctx.snapshot.scheduler_objects)  # for a rerun
+    kept = ctx.step_state.now()  # a step counter, a hidden state: as after the first step
     ctx.run_step(model, opt, ctx.batches[1])
     plain = _values(model)
     middle.restore()
+    kept.restore()
     restore_rng(after_first)
     audit = StateAudit(model, warn=False, check_rng=False)
     with audit:
