@@ -44,3 +44,18 @@ def test_the_dataset_is_read_in_a_worker_not_in_place() -> None:
     setup = zoo_data.setup_pairs(False)
     examine(**setup, checks=["pair_transform_mismatch"])
     assert setup["batches"].dataset.reads == by_examine
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_data.HELD_OUT, ids=_id)
+def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks="all")
+    assert any(
+        f.severity in ("error", "warning")
+        for f in d.findings
+        if f.kind.startswith(("labels", "batch", "pair", "dataloader"))
+    ), d
+
+
+@pytest.mark.parametrize("make", zoo_data.HELD_OUT_SETUPS, ids=_id)
+def test_held_out_twin_is_clean(make: Any) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))

@@ -8,6 +8,7 @@ import random
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 from tests.doctor.zoo import MLP, adamw, good_step, mlp_setup, seeded
@@ -128,6 +129,87 @@ def setup_pairs(fixed: bool) -> dict[str, Any]:
     loader = DataLoader(FlippedPairs(joint=fixed), batch_size=4, shuffle=True, generator=g)
     return seg_setup(loader)
 
+
+# -- held out: rebuilt once the checks were done, tested once ----------------------------------
+def bce_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    image, mask = batch
+    opt.zero_grad(set_to_none=True)
+    loss = F.binary_cross_entropy_with_logits(model(image), mask)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+class OneHotNpy(Dataset):  # type: ignore[type-arg]
+    """https://github.com/pytorch/pytorch/issues/53959: one-hot (0/1) masks stored as uint8
+    .npy go through the images' ToTensor (`mask = self.tfm(mask)`), and "the optimizer will
+    train the model to return 0"; `.astype('int32')` before it is the fix."""
+
+    def __init__(self, fixed: bool) -> None:
+        images, masks = scenes(8, seed=2)
+        self.images, self.masks = images, (masks > 0).astype(np.uint8)[:, None]
+        self.fixed = fixed
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.from_numpy(self.masks[i].astype(np.int32) if self.fixed else self.masks[i])
+        scale = 1 if self.fixed else 255  # ToTensor divides uint8 arrays by 255
+        return self.images[i], mask.float() / scale
+
+
+def setup_onehot_npy(fixed: bool) -> dict[str, Any]:
+    model = seeded(lambda: nn.Conv2d(1, 1, 3, padding=1))
+    loader = DataLoader(OneHotNpy(fixed), batch_size=4)
+    return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
+
+
+def rotate(image: torch.Tensor, degrees: float) -> torch.Tensor:
+    """`image` (C, H, W) turned by `degrees` about its centre (bilinear, zeros outside)."""
+    a = torch.tensor(degrees * np.pi / 180)
+    theta = torch.stack([torch.stack([a.cos(), -a.sin(), torch.tensor(0.0)]),
+                         torch.stack([a.sin(), a.cos(), torch.tensor(0.0)])])  # fmt: skip
+    grid = F.affine_grid(theta[None], [1, *image.shape], align_corners=False)
+    return F.grid_sample(image[None], grid, align_corners=False)[0]
+
+
+class SeparateTransforms(Dataset):  # type: ignore[type-arg]
+    """https://github.com/bigmb/Unet-Segmentation-Pytorch-Nest-of-Unets/issues/29: the image's
+    transforms (tx) hold RandomRotation((-10, 10)) and ColorJitter, the label's (lx) neither:
+    the label is not rotated with its image."""
+
+    def __init__(self, fixed: bool) -> None:
+        images, masks = scenes(8, seed=3)
+        self.images, self.masks = images, torch.from_numpy(masks > 0).float()[:, None]
+        self.fixed = fixed
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        degrees = random.uniform(-10, 10)
+        image = rotate(self.images[i], degrees) * random.uniform(0.6, 1.4)  # + brightness
+        mask = rotate(self.masks[i], degrees).round() if self.fixed else self.masks[i]
+        return image, mask
+
+
+def setup_separate_transforms(fixed: bool) -> dict[str, Any]:
+    model = seeded(lambda: nn.Conv2d(1, 1, 3, padding=1))
+    loader = DataLoader(SeparateTransforms(fixed), batch_size=4)
+    return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
+
+
+HELD_OUT_SETUPS = [setup_onehot_npy, setup_separate_transforms]
+_MISSED = "held-out miss, kept as tested once: "
+HELD_OUT = [
+    pytest.param("labels_truncated", setup_onehot_npy, "error", marks=pytest.mark.xfail(
+        strict=True, reason=_MISSED + "a 0/1 mask scaled to 0/(1/255) feeds BCE as floats; "
+        "labels_truncated reads only class ids cut by .long()")),
+    pytest.param("pair_transform_mismatch", setup_separate_transforms, "error",
+        marks=pytest.mark.xfail(strict=True, reason=_MISSED + "a rotation by up to 10 "
+        "degrees is not judged, only flips and quarter turns")),
+]  # fmt: skip
 
 CASES = [
     ("labels_truncated", setup_scaled_mask, "error"),

@@ -3,8 +3,9 @@
 A segmentation sample's mask must follow every flip and rotation of its image. Transforms
 called once on the image and once on the mask draw their own coins (or the mask gets none),
 and the pair no longer lines up. The check reads one sample several times (in a worker:
-`draw`); each time the image comes back as draw 0 flipped or turned by 90 degrees, the mask
-must come back moved the same way. Other transforms (crops, arbitrary angles) are not judged.
+`draw`); when the image and the mask each come back as read 1 clearly flipped, turned by 90
+degrees or as they were, they must have moved the same way. Crops and arbitrary angles are not
+judged.
 """
 
 from __future__ import annotations
@@ -75,18 +76,17 @@ def _moved(ref: torch.Tensor, now: torch.Tensor, moves: dict[str, Move]) -> str 
 
 
 def _mismatch(draws: list[Any], paths: tuple[Path, Path]) -> str | None:
-    """How one sample's draws show the mask not following its image, if they do."""
-    pairs = [(at(b, paths[0])[0], at(b, paths[1])[0]) for b in draws]
+    """How one sample's draws show the mask moved otherwise than its image, if they do: each
+    against read 1, both moved by one clear flip or turn (small crops and angles keep the
+    image near read 1 and are not judged), and not the same one."""
+    pairs = [(at(b, paths[0])[0], at(b, paths[1])[0].float()) for b in draws]
     (image0, mask0) = pairs[0]
     square = image0.shape[-1] == image0.shape[-2]
     moves = {**_MOVES, **(_SQUARE if square else {})}
     for k, (image, mask) in enumerate(pairs[1:], 1):
-        name = _moved(image0, image, moves)
-        if name is None or mask.shape != mask0.shape or torch.equal(mask, moves[name](mask0)):
-            continue
-        follows = next((m for m, move in moves.items() if torch.equal(mask, move(mask0))), None)
-        said = f"the mask came back {follows}" if follows else "the mask did not move with it"
-        return f"read {k + 1}: the image came back {name} against read 1, {said}"
+        name, follows = _moved(image0, image, moves), _moved(mask0, mask, moves)
+        if name is not None and follows is not None and name != follows:
+            return f"read {k + 1}: the image came back {name} against read 1, the mask {follows}"
     return None
 
 
