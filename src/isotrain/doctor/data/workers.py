@@ -11,14 +11,13 @@ multiprocessing context), twice over, and compares what came back.
 from __future__ import annotations
 
 import hashlib
-import inspect
-import os
 import random
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from isotrain.doctor.data.draw import getitem_at
 from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
@@ -88,17 +87,6 @@ def _held(dataset: Any) -> list[str]:
     ]  # fmt: skip
 
 
-def _where(dataset: Any) -> str:
-    try:
-        fn = type(dataset).__getitem__
-        path = inspect.getsourcefile(fn) or "?"
-        rel = os.path.relpath(path)
-        path = path if rel.startswith("..") else rel
-        return f"{path}:{inspect.getsourcelines(fn)[1]} ({type(dataset).__name__}.__getitem__)"
-    except (OSError, TypeError):
-        return type(dataset).__name__
-
-
 def check_worker_seed(ctx: Context) -> list[Finding]:
     """Do the workers of the user's DataLoader draw the same random numbers?"""
     loader = ctx.source
@@ -128,7 +116,7 @@ def check_worker_seed(ctx: Context) -> list[Finding]:
     held = _held(loader.dataset)
     owner = f" (the dataset holds its own generator: {', '.join(held)})" if held else ""
     return [Finding(
-        "dataloader_worker_seed", "warning", _where(loader.dataset),
+        "dataloader_worker_seed", "warning", getitem_at(loader.dataset),
         f"asked twice for sample 0, each worker returned two different samples (random "
         f"augmentation), but {' and '.join(what)}: the workers share one random state{owner}",
         "draw from the generators the DataLoader seeds in each worker (torch, numpy.random, "

@@ -1,0 +1,61 @@
+"""The data family: each report's bug is named at its severity, its correct twin gets no
+error and no warning from any check, and the caller's objects (dataset included) are left
+as they were."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from tests.doctor import zoo_data
+from tests.doctor.test_trust import examined_untouched, no_alarm
+
+from isotrain.doctor import examine
+
+
+def _id(v: Any) -> str:
+    return getattr(v, "__name__", str(v))
+
+
+def kinds_at(d: Any, kind: str) -> list[str]:
+    return [f.severity for f in d.findings if f.kind == kind]
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_data.CASES, ids=_id)
+def test_the_bug_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks=[kind])
+    assert kinds_at(d, kind) == [severity], d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_data.CASES, ids=_id)
+def test_the_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))
+
+
+def test_shuffle_off_over_mixed_data_is_clean() -> None:
+    d = examine(**zoo_data.setup_stored_mixed(), checks=["batch_class_mix"])
+    assert not kinds_at(d, "batch_class_mix"), d
+
+
+def test_the_dataset_is_read_in_a_worker_not_in_place() -> None:
+    setup = zoo_data.setup_pairs(False)
+    examine(**setup, checks=["batch_size_mismatch"])  # examine's own read of the batches
+    by_examine = setup["batches"].dataset.reads
+    setup = zoo_data.setup_pairs(False)
+    examine(**setup, checks=["pair_transform_mismatch"])
+    assert setup["batches"].dataset.reads == by_examine
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_data.HELD_OUT, ids=_id)
+def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks="all")
+    assert any(
+        f.severity in ("error", "warning")
+        for f in d.findings
+        if f.kind.startswith(("labels", "batch", "pair", "dataloader"))
+    ), d
+
+
+@pytest.mark.parametrize("make", zoo_data.HELD_OUT_SETUPS, ids=_id)
+def test_held_out_twin_is_clean(make: Any) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))
