@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from tests.doctor.zoo import MLP, TinyLM, adamw, features, seeded
+from torch import nn
 
 PAD = 0
 
