@@ -88,3 +88,12 @@ def test_a_step_that_raises_is_said_not_checked() -> None:
     d = examine(**zl._mlp_setup(broken), checks=["not_log_probabilities"])
     (f,) = d.of("not_log_probabilities")
     assert f.severity == "info" and "boom" in f.evidence
+
+
+@pytest.mark.parametrize(
+    ("kind", "setup", "severity"), zl.HELD_OUT, ids=lambda v: getattr(v, "__name__", v)
+)
+def test_held_out_reports(kind: str, setup: Any, severity: str) -> None:
+    d = examined_untouched(setup(False), checks=[kind])
+    assert [f.severity for f in d.of(kind)] == [severity], d
+    no_alarm(examined_untouched(setup(True), checks="all"))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from tests.doctor.zoo import MLP, TinyLM, adamw, features, seeded
 from torch import nn
+from torch.utils._pytree import register_pytree_node
 
 PAD = 0
 
@@ -254,4 +255,92 @@ BUGS: list[tuple[str, Any, str]] = [
     ("not_log_probabilities", setup_kl_log_target, "error"),
     ("target_out_of_range", setup_multi_hot_ce, "warning"),
     ("loss_weight_shape", setup_pos_weight, "warning"),
+]
+
+
+# -- held out: written after the checks were done, tested once ----------------------------------
+class PointSeg(nn.Module):
+    """A per-point segmentation head: (B, 3, N) points -> (B, N, C) scores, no log_softmax."""
+
+    def __init__(self, classes: int = 4) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv1d(3, 16, 1), nn.Conv1d(16, classes, 1)
+        self.classes = classes
+
+    def forward(self, points: torch.Tensor, *, log: bool = False) -> torch.Tensor:
+        x = self.conv2(F.relu(self.conv1(points))).transpose(2, 1).contiguous()  # (B, N, C)
+        return F.log_softmax(x, dim=-1) if log else x
+
+
+def setup_pointnet_nll(fixed: bool) -> dict[str, Any]:
+    """https://github.com/yanx27/Pointnet_Pointnet2_pytorch/issues/30: "nll_loss is used but
+    the input labels_pred is not a log_softmax, causing a negative label loss value"."""
+    g = _gen(8)
+    batches = [(torch.randn(2, 3, 32, generator=g), torch.randint(0, 4, (2, 32), generator=g))
+               for _ in range(2)]  # fmt: skip
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        points, labels = batch
+        labels_pred = model(points, log=fixed)  # BUG (fixed=False): raw scores
+        return F.nll_loss(labels_pred.view(-1, 4), labels.view(-1))
+
+    model = seeded(PointSeg)
+    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=loss_fn)
+
+
+class Output(dict):
+    """A Hugging Face ModelOutput in small: a dict whose keys are attributes too."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+# as transformers registers ModelOutput: a pytree node, so tree walks see its tensors
+register_pytree_node(
+    Output, lambda o: (list(o.values()), list(o.keys())), lambda v, k: Output(zip(k, v))
+)
+
+
+class GLMLike(TinyLM):
+    """A causal LM that computes its own shifted loss from `labels` (ignore_index=-100), with
+    a config naming its pad id, as ChatGLM's model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(pad_token_id=3, eos_token_id=2, is_encoder_decoder=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = super().forward(input_ids)
+        loss = None
+        if labels is not None:
+            shift = logits[:, :-1].reshape(-1, logits.shape[-1])
+            loss = F.cross_entropy(shift, labels[:, 1:].reshape(-1), ignore_index=-100)
+        return Output(loss=loss, logits=logits)
+
+
+def setup_glm_pad_labels(fixed: bool) -> dict[str, Any]:
+    """https://github.com/zai-org/ChatGLM-6B/issues/362: input_ids and labels are padded with
+    pad_token_id (20003) while the loss is CrossEntropyLoss(ignore_index=-100): are the pads
+    counted? (they are, unless the labels' pads become -100)."""
+    batches = []
+    for seed in (1, 2):
+        ids = torch.randint(4, 16, (4, 16), generator=_gen(seed))
+        labels = ids.clone()
+        for row, (prompt, length) in enumerate(((3, 16), (4, 12), (2, 10), (5, 7))):
+            labels[row, :prompt] = -100  # the prompt is not a target
+            ids[row, length - 1], labels[row, length - 1] = 2, 2  # eos
+            ids[row, length:] = labels[row, length:] = 3  # right padding with pad_token_id
+        if fixed:
+            labels = labels.masked_fill(labels == 3, -100)  # ignore_pad_token_for_loss
+        batches.append({"input_ids": ids, "labels": labels})
+    model = seeded(GLMLike)
+    return dict(model=model, optimizer=adamw(model), batches=batches, task="lm")
+
+
+HELD_OUT: list[tuple[str, Any, str]] = [
+    ("not_log_probabilities", setup_pointnet_nll, "error"),
+    ("padding_in_loss", setup_glm_pad_labels, "error"),
 ]
