@@ -97,3 +97,7 @@ def test_held_out_reports(kind: str, setup: Any, severity: str) -> None:
     d = examined_untouched(setup(False), checks=[kind])
     assert [f.severity for f in d.of(kind)] == [severity], d
     no_alarm(examined_untouched(setup(True), checks="all"))
+
+
+def test_every_kind_of_the_contract_check_has_a_case() -> None:
+    assert {case[0] for case in zl.CASES} >= set(CONTRACT) | {"padding_in_loss"}

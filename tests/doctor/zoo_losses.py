@@ -344,3 +344,13 @@ HELD_OUT: list[tuple[str, Any, str]] = [
     ("not_log_probabilities", setup_pointnet_nll, "error"),
     ("padding_in_loss", setup_glm_pad_labels, "error"),
 ]
+
+
+def _pair(make: Any) -> tuple[Any, Any]:
+    return (lambda: make(False)), (lambda: make(True))
+
+
+# (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES
+CASES: list[tuple[str, Any, Any, str]] = [
+    (kind, *_pair(make), severity) for kind, make, severity in BUGS + HELD_OUT
+] + [("loss_unread", setup_hand_written, _pair(setup_nll_logits)[1], "info")]
