@@ -101,3 +101,13 @@ def test_held_out_reports(kind: str, setup: Any, severity: str) -> None:
 
 def test_every_kind_of_the_contract_check_has_a_case() -> None:
     assert {case[0] for case in zl.CASES} >= set(CONTRACT) | {"padding_in_loss"}
+
+
+def test_a_bfloat16_softmax_before_cross_entropy_is_probabilities() -> None:
+    def bf16_softmax(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        probs = F.softmax(model(x).bfloat16(), dim=1)  # rows sum to 1 only to bf16 precision
+        return F.cross_entropy(probs, y).float()
+
+    d = examine(**zl._mlp_setup(bf16_softmax), checks=["softmax_before_loss"])
+    assert [f.severity for f in d.of("softmax_before_loss")] == ["error"], d

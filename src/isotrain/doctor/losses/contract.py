@@ -15,7 +15,7 @@ from isotrain.doctor.losses.seen import SeenCall, TensorSeen, seen_calls
 
 __all__ = ["LOSS_CONTRACT", "check_contract"]
 
-_TOL = 1e-3  # how far a row may sum from 1 (or logsumexp from 0) and still be a distribution
+_TOL = 1e-3  # how far a float32 row may sum from 1 (or logsumexp from 0) and be a distribution
 _MIN_VALUES = 32  # fewer values than this say nothing about their range
 _READ = {"cross_entropy", "nll_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
          "kl_div", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"}  # fmt: skip
@@ -33,22 +33,30 @@ _FIX_LOGITS = {
 }
 
 
+def _tol(t: TensorSeen) -> float:
+    """How far a row may sum from 1 (or logsumexp from 0) in the tensor's dtype."""
+    return 2e-2 if t.low_precision else _TOL
+
+
 def _is_probabilities(t: TensorSeen, *, rows: bool) -> bool:
     """All values in [0, 1] (and, with `rows`, every class row sums to 1)."""
-    if not t.floating or t.low < 0 or t.high > 1 + _TOL:
+    if not t.floating or t.low < 0 or t.high > 1 + _tol(t):
         return False
-    return t.row_sum_off <= _TOL if rows else True
+    return t.row_sum_off <= _tol(t) if rows else True
 
 
 def _is_log_probabilities(t: TensorSeen) -> bool:
-    return t.floating and t.high <= _TOL and t.row_lse_off <= _TOL
+    """All values at most 0 and every class row's logsumexp 0 (a log_softmax's output)."""
+    return t.floating and t.high <= _tol(t) and t.row_lse_off <= _tol(t)
 
 
 def _made(t: TensorSeen) -> str:
+    """Evidence of the op that made the tensor, when the watch saw it."""
     return f"; the {t.made_by[0]} at {t.made_by[1]} made it" if t.made_by else ""
 
 
 def _range(t: TensorSeen) -> str:
+    """The tensor's value range, for the evidence."""
     return f"all {t.numel} values in [{t.low:.3g}, {t.high:.3g}]"
 
 

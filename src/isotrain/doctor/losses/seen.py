@@ -42,6 +42,7 @@ class TensorSeen:
 
     shape: tuple[int, ...]
     floating: bool
+    low_precision: bool  # float16 / bfloat16: its rows sum to 1 less exactly
     low: float
     high: float
     numel: int
@@ -69,7 +70,7 @@ class Seen:
     error: str | None = None
 
 
-def class_dim(name: str, shape: tuple[int, ...]) -> int:
+def _class_dim(name: str, shape: tuple[int, ...]) -> int:
     """The dimension a loss's distributions lie along: dim 1 for the class-index losses (their
     (N, C, d1, ...) layout), the last one for kl_div (a (B, T, V) distillation)."""
     if len(shape) < 2:
@@ -95,8 +96,9 @@ def _summary(t: torch.Tensor, dim: int, made_by: tuple[str, str] | None) -> Tens
         if t.is_floating_point() and not empty and not bool((v.isnan() | v.isposinf()).any()):
             off_sum = float((v.sum(dim) - 1).abs().max())  # sync: the doctor's
             off_lse = float(torch.logsumexp(v, dim).abs().max())  # sync: the doctor's
-    return TensorSeen(tuple(t.shape), t.is_floating_point(), low, high, t.numel(), off_sum,
-                      off_lse, made_by)  # fmt: skip
+    low_precision = t.dtype in (torch.float16, torch.bfloat16)
+    return TensorSeen(tuple(t.shape), t.is_floating_point(), low_precision, low, high,
+                      t.numel(), off_sum, off_lse, made_by)  # fmt: skip
 
 
 class _LossMode(TorchFunctionMode):
@@ -120,7 +122,7 @@ class _LossMode(TorchFunctionMode):
         except (TypeError, ValueError):
             bound = {}
         x = bound.get("input")
-        dim = class_dim(name, tuple(x.shape)) if isinstance(x, torch.Tensor) else 0
+        dim = _class_dim(name, tuple(x.shape)) if isinstance(x, torch.Tensor) else 0
         tensors, options = {}, {}
         for key, value in bound.items():
             if isinstance(value, torch.Tensor):
