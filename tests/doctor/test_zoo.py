@@ -5,11 +5,12 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from tests.doctor import zoo, zoo_ranks, zoo_reports
+from tests.doctor import zoo, zoo_data, zoo_losses, zoo_ranks, zoo_reports
 from tests.doctor.zoo import lm_setup, mlp_setup
 
 from isotrain.doctor import KINDS, examine
@@ -124,6 +125,8 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
     ("doctor_error", lambda: mlp_setup(step=zoo.step_raises), mlp_setup, "error"),
 ]  # fmt: skip
 CASES += zoo_reports.CASES  # the bugs of public reports, each with its link
+CASES += [(k, partial(setup, False), partial(setup, True), sev) for k, setup, sev in zoo_data.CASES]
+CASES += zoo_losses.CASES  # the data and losses families
 
 
 def _id(case: tuple[Any, ...]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,7 +225,7 @@ class Context:
 
 def _main_output(out: Any) -> torch.Tensor | None:
     """`.logits`, or the first floating tensor of a (nested) output."""
-    logits = getattr(out, "logits", None)
+    logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else first_tensor(out)
 
 
