@@ -242,7 +242,7 @@ def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> Non
     assert "(ranks 0 and 1 differ; max |difference| " in replaced["evidence"]
     assert "they were replaced after DDP(model) was built" in replaced["evidence"]
     assert "the model was converted in place after wrapping" in moved["evidence"]
-    assert some_calls["evidence"].startswith("after backward (step 2)")  # the second call
+    assert some_calls["evidence"].startswith("at optimizer.step() (step 2)")  # the second call
     assert "without its DDP wrapper (model.module(...))" in some_calls["evidence"]
     assert clipped["evidence"].startswith("after step 1, 4 of 4 replicated parameters differ")
     assert "equal after backward but differed at optimizer.step()" in clipped["evidence"]

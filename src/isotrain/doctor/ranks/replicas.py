@@ -6,6 +6,12 @@ on the copy's parameters, which hides exactly the bugs looked for here. Each ran
 checksums (of its batches, of the replicated parameters before and after each step, of their
 gradients after the last backward and at `optimizer.step()`); one exchange per step compares
 them, and only a parameter found to differ is exchanged whole, once, for its largest difference.
+
+What is replicated: every parameter of a DDP / FSDP2 model (FSDP2's shards left out); for a
+model no framework wraps (manual data parallel, tensor or expert parallel written by hand), the
+parameters every rank holds alike before the first step. Those that differ are each rank's own
+shard: not compared, said once as info. The gradients judged are the ones `optimizer.step()`
+receives, so a loop that all-reduces each `.grad` by hand after backward is correct.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from isotrain.doctor.ranks.text import (
     mismatch_finding,
     replica_finding,
     same_data_finding,
+    sharded_finding,
 )
 
 __all__ = ["RANKS", "check_ranks", "replicated"]
@@ -79,10 +86,12 @@ def _wrapped_by_framework(model: nn.Module) -> bool:
 
 @dataclass
 class _Record:
-    """One step on one rank: grads after its last backward before optimizer.step, at the step."""
+    """One step on one rank: grads after its last backward before optimizer.step, at the step
+    (after the user's own all-reduce, if any)."""
 
     backwards: int = 0
     after_backward: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
+    at_step_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
     synced: list[int] | None = None
     at_step: list[int] | None = None
     wrapper_called: bool = False
@@ -111,7 +120,8 @@ def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[
 
     def pre_step(*_: Any) -> None:
         if not rec.stepped:
-            rec.stepped, rec.at_step = True, _sums(grads())
+            rec.at_step_grads = {n: g.detach().clone() for n, g in zip(names, grads())}
+            rec.stepped, rec.at_step = True, _sums(list(rec.at_step_grads.values()))
 
     def mark(attr: str) -> Any:
         return lambda *_: setattr(rec, attr, True)
@@ -155,22 +165,29 @@ def check_ranks(ctx: Context) -> list[Finding]:
         return _mismatch(ctx)
     model, opt = ctx.fresh()  # the caller's own objects: examine puts them back afterwards
     reps = replicated(_base(model))
-    names, tensors = list(reps), list(reps.values())
-    start = ranks.gather("replicas before the first step", (names, _sums(tensors)))
+    start = ranks.gather("replicas before the first step", (list(reps), _sums([*reps.values()])))
     framework = _wrapped_by_framework(model)
-    if len({tuple(n) for n, _ in start}) > 1:
+    if framework and len({tuple(n) for n, _ in start}) > 1:
         return [replica_finding("models", start, None, [])]
-    if not framework and len({tuple(s) for _, s in start}) > 1:
-        raise CannotRun(
-            "the parameters differ across ranks and the model is no DDP/FSDP wrapper: "
-            "not replicas (tensor or pipeline parallel?), nothing to compare"
-        )
+    names = list(reps) if framework else _alike(start)
+    sharded = [n for n in reps if n not in names]
+    out = [sharded_finding(sharded, len(reps))] if sharded else []
     mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
     hashes = ranks.gather("the batches' checksums", mine)
-    out = same_data_finding(hashes)
+    out += same_data_finding(hashes, sharded=bool(sharded))
     buffers = _buffer_marks(_base(model))
-    out += _stepped(ctx, ranks, model, opt, names, [s for _, s in start])
+    sums = [[dict(zip(*got))[n] for n in names] for got in start]
+    out += _stepped(ctx, ranks, model, opt, names, sums, sharded=bool(sharded))
+    if sharded:  # buffers may be shards too: nothing tells them from replicas
+        return out
     return out + _constant_buffers(ranks, _base(model), buffers)
+
+
+def _alike(start: list[tuple[list[str], list[int]]]) -> list[str]:
+    """The parameters of a model no framework wraps that every rank holds alike before the
+    first step: the replicated ones (tensor and expert parallel shards differ by design)."""
+    per_rank = [dict(zip(names, sums)) for names, sums in start]
+    return [n for n, s in per_rank[0].items() if all(r.get(n) == s for r in per_rank[1:])]
 
 
 def _buffer_marks(model: nn.Module) -> dict[str, tuple[int, int]]:
@@ -200,7 +217,7 @@ def _constant_buffers(
 
 def _stepped(
     ctx: Context, ranks: Ranks, model: nn.Module, opt: Any, names: list[str],
-    start: list[list[int]],
+    start: list[list[int]], *, sharded: bool,
 ) -> list[Finding]:  # fmt: skip
     """Two steps, one exchange after each; the first difference found is reported."""
     out: list[Finding] = []
@@ -220,7 +237,7 @@ def _stepped(
         if failed:
             r, e = failed[0]
             raise CannotRun(f"your step raised on rank {r}: {e}")
-        found = _judge(ranks, model, names, got, recs, out, i + 1)
+        found = _judge(ranks, model, names, got, recs, out, i + 1, sharded=sharded)
         if found:
             return out + found
     return out
@@ -245,23 +262,30 @@ def _run(ctx: Context, model: nn.Module, opt: Any, batch: Any) -> str | None:
 
 def _judge(
     ranks: Ranks, model: nn.Module, names: list[str], got: list[Any], recs: list[_Record],
-    already: list[Finding], step: int,
+    already: list[Finding], step: int, *, sharded: bool,
 ) -> list[Finding]:  # fmt: skip
-    """Findings from one step's exchange (the same on every rank: they share `got`)."""
+    """Findings from one step's exchange (the same on every rank: they share `got`). The
+    gradients judged are those optimizer.step() received, after the user's own all-reduce."""
     synced = [g[1] for g in got]
     at_step = [g[2] for g in got]
     after = [g[3] for g in got]
-    if all(s is not None for s in synced) and any(s != synced[0] for s in synced):
-        grads = recs[-1].after_backward
-        spread = _spread(ranks, names, synced, grads, "gradients")
-        return [gradient_finding(synced, spread, names, _cause(model, names, recs), step)]
+    judged = at_step if all(s is not None for s in at_step) else synced
+    differ = [_differs(s) for s in (synced, judged)]
+    if all(s is not None for s in judged) and differ[1] and (differ[0] or judged is synced):
+        grads = recs[-1].at_step_grads if judged is at_step else recs[-1].after_backward
+        spread = _spread(ranks, names, judged, grads, "gradients")
+        cause = "sharded" if sharded else _cause(model, names, recs)
+        return [gradient_finding(judged, spread, names, cause, step, at_step=judged is at_step)]
     if already or all(a == after[0] for a in after):
         return []
     spread = _spread(ranks, names, after, dict(_base(model).named_parameters()), "after")
-    stage = "update"
-    if all(s is not None for s in at_step) and any(s != at_step[0] for s in at_step):
-        stage = "between"
+    stage = "between" if judged is at_step and differ[1] else "update"
     return [replica_finding(stage, after, spread, names, step=step)]
+
+
+def _differs(sums: list[list[int] | None]) -> bool:
+    """Whether the per-rank checksums differ (None: not recorded on some rank)."""
+    return all(s is not None for s in sums) and any(s != sums[0] for s in sums)
 
 
 def _spread(
@@ -283,8 +307,9 @@ RANKS = Check(
         ),
         Kind(
             "gradient_not_synchronized",
-            "after backward, a data-parallel model's gradients differ across ranks (DDP hooks on "
-            "replaced parameters, the wrapper bypassed, no_sync left on)",
+            "at optimizer.step(), a replicated parameter's gradients differ across ranks (DDP "
+            "hooks on replaced parameters, the wrapper bypassed, no_sync left on, a manual "
+            "all_reduce forgotten)",
         ),
         Kind(
             "same_data_on_ranks",

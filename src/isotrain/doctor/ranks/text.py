@@ -13,6 +13,7 @@ __all__ = [
     "mismatch_finding",
     "replica_finding",
     "same_data_finding",
+    "sharded_finding",
 ]
 
 _CAUSE = {
@@ -41,9 +42,19 @@ _CAUSE = {
         "again after the conversion",
     ),
     "plain": (
-        "nothing averages the gradients across ranks",
-        "wrap the model in DistributedDataParallel (or all_reduce each .grad and divide by the "
-        "world size) before optimizer.step()",
+        "nothing averaged the gradients across ranks between the last backward and "
+        "optimizer.step()",
+        "wrap the model in DistributedDataParallel, or all_reduce each .grad after the last "
+        "backward and divide it by the world size before optimizer.step()",
+    ),
+    "sharded": (
+        "the model also holds parameters sharded across ranks (tensor or expert parallel), and "
+        "these replicated ones got other gradients on each rank: the ranks computed other "
+        "outputs (a row-parallel layer's partial sums not all-reduced in forward), or saw "
+        "other data and their gradients were not all-reduced",
+        "all_reduce each row-parallel output in forward; where the ranks see other data, "
+        "all_reduce the replicated parameters' .grad after backward and divide it by the "
+        "world size before optimizer.step()",
     ),
 }
 
@@ -61,15 +72,18 @@ def _which(sums: list[list[int]]) -> str:
 
 
 def gradient_finding(
-    synced: list[list[int]], spread: tuple[str, float], names: list[str], cause: str, step: int
-) -> Finding:
-    """gradient_not_synchronized: the gradients optimizer.step() used differ across ranks."""
+    synced: list[list[int]], spread: tuple[str, float], names: list[str], cause: str, step: int,
+    *, at_step: bool = True,
+) -> Finding:  # fmt: skip
+    """gradient_not_synchronized: the gradients optimizer.step() used differ across ranks
+    (`at_step`: as it received them; else as the last backward left them)."""
     bad = _differing(names, synced)
     why, fix = _CAUSE[cause]
+    when = "at optimizer.step()" if at_step else "after backward"
     return Finding(
         "gradient_not_synchronized", "error", _list(bad),
-        f"after backward (step {step}), the gradients of {len(bad)} of {len(names)} parameters "
-        f"differ across ranks ({_which(synced)}; max |difference| {spread[1]:.3g} in "
+        f"{when} (step {step}), the gradients of {len(bad)} of {len(names)} replicated "
+        f"parameters differ across ranks ({_which(synced)}; max |difference| {spread[1]:.3g} in "
         f"{spread[0]}): each rank trains on its own gradients and the replicas drift apart; "
         f"{why}",
         fix,
@@ -137,11 +151,25 @@ def replica_finding(
     )  # fmt: skip
 
 
-def same_data_finding(hashes: list[list[str]]) -> list[Finding]:
-    """same_data_on_ranks: ranks that got byte-identical batches."""
+def sharded_finding(sharded: list[str], total: int) -> Finding:
+    """replica_divergence, info: parameters that differ before any step in a model no
+    framework wraps, taken as each rank's own shard and left out of every comparison."""
+    return Finding(
+        "replica_divergence", "info", _list(sharded),
+        f"{len(sharded)} of {total} parameters differ across ranks before the first step and no "
+        "DDP/FSDP wrapper holds the model: taken as shards (tensor or expert parallel), each "
+        "rank's own, and not compared; the others are compared as replicas (their buffers and "
+        "batches not: shards and shared data are by design here)",
+        "-",
+    )  # fmt: skip
+
+
+def same_data_finding(hashes: list[list[str]], *, sharded: bool = False) -> list[Finding]:
+    """same_data_on_ranks: ranks that got byte-identical batches (not judged for a model with
+    shards: tensor-parallel ranks share their batches by design)."""
     n = min(len(h) for h in hashes)
     shared = [i for i in range(n) if len({h[i] for h in hashes}) < len(hashes)]
-    if not shared:
+    if not shared or sharded:
         return []
     groups: dict[tuple[str, ...], list[int]] = {}
     for r, h in enumerate(hashes):

@@ -2,9 +2,14 @@
 
 FUNCTION (default `doctor_setup`) returns a dict of `isotrain.doctor.examine` arguments; the
 table goes to stdout, `--json OUT` writes the diagnosis as JSON, and the exit status is 1
-when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input. Under torchrun
-(`torchrun --nproc-per-node N -m isotrain doctor FILE.py`) every rank examines, the ranks are
-compared, and rank 0 prints.
+when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input.
+
+Across ranks, `isotrain doctor --nproc-per-node N FILE.py` starts N workers through torchrun's
+own launcher in this process (train/cli/launch.py); each joins a gloo group before the setup
+runs (unless the setup joins one itself), every rank examines, the ranks are compared, rank 0
+prints the one merged table, and the exit status is the doctor's. Under plain torchrun
+(`torchrun --nproc-per-node N -m isotrain doctor FILE.py`) the setup joins the group itself.
+Either way no rank exits before rank 0 has printed (NOTE [ranks exit together]).
 """
 
 from __future__ import annotations
@@ -14,19 +19,23 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
+import itertools
 import json
 import os
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 import tyro
 
 from isotrain.train.cli.args import check_output, parse
+from isotrain.train.cli.launch import QUIET_EXIT, launch, nproc_per_node, tell_launcher
 from isotrain.train.config import PRESETS, ConfigError
+from isotrain.train.environment import LAUNCHER
 
 if TYPE_CHECKING:  # torch and what imports it: only once the arguments parsed (see `main`)
     import torch
@@ -52,12 +61,14 @@ def _keys() -> tuple[list[str], list[str], str]:
 
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "doctor_setup.py"  # in a clone
+PRINT_TIMEOUT = 600.0  # seconds the other ranks wait for rank 0's table before exiting
 
 
 @dataclass(frozen=True, kw_only=True)
 class DoctorArgs:
     """Examine a training setup for hidden side effects: FILE.py[:FUNCTION] (FUNCTION, default
-    doctor_setup, returns a dict of isotrain.doctor.examine arguments), or --trainer."""
+    doctor_setup, returns a dict of isotrain.doctor.examine arguments), or --trainer;
+    --nproc-per-node N examines FILE.py on N gloo ranks and compares them."""
 
     target: Target = None
     """The file defining the setup function, optionally :FUNCTION."""
@@ -85,15 +96,22 @@ def _template() -> str:
     return str(EXAMPLE)
 
 
-def _load_setup(target: str) -> dict[str, Any]:
-    """Import FILE, call FUNCTION(), check it returned examine's arguments."""
-    file, _, func = target.partition(":")
+def _script(target: str) -> Path:
+    """FILE of FILE.py[:FUNCTION], refused in one line unless it is a Python file."""
+    file = target.partition(":")[0]
     path = Path(file).expanduser()
     if path.suffix != ".py" or not path.is_file():
         raise ConfigError(
             f"{file}: no such Python file; give the script that defines your setup function "
             f"(a worked one: {_template()})"
         )
+    return path
+
+
+def _load_setup(target: str) -> dict[str, Any]:
+    """Import FILE, call FUNCTION(), check it returned examine's arguments."""
+    file, _, func = target.partition(":")
+    path = _script(target)
     spec = importlib.util.spec_from_file_location(f"_isotrain_doctor_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{file}: cannot be imported as a Python module")
@@ -161,6 +179,7 @@ def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
     if a.trainer == (a.target is not None):
         raise ConfigError("give FILE.py[:FUNCTION] or --trainer (one of them); try --help")
     if not a.trainer:
+        _join_launched_world()
         yield _load_setup(cast(str, a.target))
         return
     from isotrain.contexts import rng_isolated
@@ -171,9 +190,18 @@ def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
 
 
 def cmd_doctor(argv: Sequence[str]) -> int:
+    nproc, argv = nproc_per_node(argv)
     a = parse(DoctorArgs, argv, "isotrain doctor")
     if a.json is not None:
         check_output("--json", Path(a.json), is_dir=False)
+    if nproc is not None:
+        if a.trainer or a.target is None:
+            raise ConfigError(
+                "--nproc-per-node N runs FILE.py's setup on N ranks; give FILE.py[:FUNCTION] "
+                "(--trainer examines one process)"
+            )
+        _script(a.target)  # checked once, before any worker starts
+        return launch(nproc, argv, "doctor")
     from isotrain.doctor import KINDS, examine  # torch: once the arguments parsed
 
     unknown = [k for k in a.only if k not in KINDS]
@@ -189,9 +217,57 @@ def cmd_doctor(argv: Sequence[str]) -> int:
             raise ConfigError(f"examine refused the setup: {e}") from None
     if main:  # under torchrun every rank has the same merged diagnosis: rank 0 prints it
         sys.stdout.write(diagnosis.table(color=sys.stdout.isatty()) + "\n")
+        sys.stdout.flush()
         if a.json is not None:
             Path(a.json).write_text(json.dumps(diagnosis.to_json(), indent=2) + "\n")
-    return 0 if diagnosis.ok else 1
+    status = 0 if diagnosis.ok else 1
+    _exit_together(status, diagnosis)
+    return status
+
+
+def _join_launched_world() -> None:
+    """In a worker of `isotrain doctor --nproc-per-node`, join the gloo group torchrun's
+    environment describes, before the setup runs (a setup that joins one itself keeps it)."""
+    if not os.environ.get(LAUNCHER) or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+# NOTE [ranks exit together]
+# torchrun takes a worker's non-zero exit as a failed job: it sends SIGTERM to the other
+# workers at once (rank 0, perhaps mid-table or mid-JSON) and raises its ChildFailedError,
+# whose traceback and failure summary end the output, exit 1. Rank 1 finishes first (it prints
+# nothing), so an error finding used to reach the user as torchrun's traceback. So every rank
+# waits, on the group's store, for rank 0 to have printed, and a rank that exits 1 writes its
+# line in torchrun's error file: the launcher of --nproc-per-node prints none (the table said
+# it) and returns the status; plain torchrun shows the line in its summary, in place of "To
+# enable traceback", and exits 1 (torchrun's own status for any failed worker).
+_FINISHED = itertools.count()  # doctor runs in this process: the same count on every rank
+
+
+def _exit_together(status: int, diagnosis: Diagnosis) -> None:
+    """Under a process group: wait for rank 0's table, and leave the error finding's line
+    for torchrun's launcher (NOTE [ranks exit together])."""
+    import torch.distributed as dist
+
+    from isotrain._torch_private import default_store
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    key = f"isotrain-doctor/printed/{next(_FINISHED)}"
+    store = default_store()
+    if dist.get_rank() == 0:
+        store.set(key, "1")
+    else:
+        with contextlib.suppress(Exception):  # rank 0 gone: its own status tells why
+            store.wait([key], timedelta(seconds=PRINT_TIMEOUT))
+    if status:
+        errors = sorted({f.kind for f in diagnosis.findings if f.severity == "error"})
+        line = f"isotrain doctor: error findings ({', '.join(errors)}): rank 0's table is above"
+        tell_launcher(QUIET_EXIT if os.environ.get(LAUNCHER) else line)
 
 
 def _in_group() -> bool:

@@ -1,4 +1,4 @@
-"""`isotrain train --nproc-per-node N`: torchrun's own launcher, started in this process.
+"""`isotrain train|doctor --nproc-per-node N`: torchrun's own launcher, started in this process.
 
 The command is checked here, once, before any worker starts: a bad setting is one line and
 no process is spawned. The workers are torchrun's (`torch.distributed.run`, one node,
@@ -25,12 +25,13 @@ from isotrain.train.files import replace_file
 if TYPE_CHECKING:  # torch: imported by `launch`, not by `isotrain --help`
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-__all__ = ["failed_worker", "launch", "nproc_per_node", "tell_launcher"]
+__all__ = ["QUIET_EXIT", "failed_worker", "launch", "nproc_per_node", "tell_launcher"]
 
 FLAG = "--nproc-per-node"
 # torchrun's own log lines (rendezvous, "closing signal SIGTERM", its failure table) say
 # again, in its words, what the launcher's one line says.
 _QUIET = ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")
+QUIET_EXIT = "-"  # a worker's error-file message: its status says it all, print no line
 
 
 def nproc_per_node(argv: Sequence[str]) -> tuple[int | None, list[str]]:
@@ -76,30 +77,36 @@ def _quiet_torchrun() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def failed_worker(e: ChildFailedError) -> tuple[str, int]:
-    """The one line for a failed torchrun job (its first failure) and the exit status."""
+def failed_worker(e: ChildFailedError, command: str = "train") -> tuple[str, int]:
+    """The one line for a failed torchrun job (its first failure) and the exit status; an
+    empty line when the worker said all there is (a doctor's table with an error)."""
     rank, failure = e.get_first_failure()
     if isinstance(failure.message, str) and failure.message.startswith("isotrain "):
         line = failure.message  # a worker's own one-line error
+    elif failure.message == QUIET_EXIT:
+        line = ""
     elif failure.exitcode < 0:
-        line = f"isotrain train: error: worker rank {rank} was stopped by {failure.signal_name()}"
+        line = (
+            f"isotrain {command}: error: worker rank {rank} was stopped by {failure.signal_name()}"
+        )
     else:
         line = (
-            f"isotrain train: error: worker rank {rank} failed with exit code "
+            f"isotrain {command}: error: worker rank {rank} failed with exit code "
             f"{failure.exitcode}; its output is above"
         )
     return line, failure.exitcode if failure.exitcode > 0 else 1
 
 
-def launch(nproc: int, argv: Sequence[str]) -> int:
-    """Run `isotrain train ARGV` in `nproc` torchrun workers on this machine; the exit status."""
+def launch(nproc: int, argv: Sequence[str], command: str = "train") -> int:
+    """Run `isotrain COMMAND ARGV` in `nproc` torchrun workers on this machine; the exit
+    status (the workers' own, never torchrun's traceback)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     threads = _threads(nproc)
     sys.stderr.write(
-        f"isotrain train: starting {nproc} worker{'s' if nproc != 1 else ''} through torchrun "
+        f"isotrain {command}: starting {nproc} worker{'s' if nproc != 1 else ''} through torchrun "
         f"on this machine, {threads} thread{'s' if threads != '1' else ''} each "
         "(OMP_NUM_THREADS)\n"
     )
@@ -109,13 +116,14 @@ def launch(nproc: int, argv: Sequence[str]) -> int:
     }
     saved = {k: os.environ.get(k) for k in workers_env}
     os.environ.update(workers_env)  # the workers inherit this process's environment
-    args = torchrun.parse_args(["--standalone", FLAG, str(nproc), "-m", "isotrain", "train", *argv])
+    args = torchrun.parse_args(["--standalone", FLAG, str(nproc), "-m", "isotrain", command, *argv])
     _quiet_torchrun()
     try:
         torchrun.run(args)
     except ChildFailedError as e:
-        line, status = failed_worker(e)
-        sys.stderr.write(line + "\n")
+        line, status = failed_worker(e, command)
+        if line:
+            sys.stderr.write(line + "\n")
         return status
     except SignalException as e:
         return 128 + int(e.sigval)

@@ -1,0 +1,84 @@
+"""`isotrain doctor --nproc-per-node 2 FILE.py`: the guide's command (docs/ranks.md), run as a
+user types it, starts two gloo ranks through torchrun's launcher; rank 0 prints the one merged
+table, the exit status is the doctor's, and nothing of torchrun's reaches the output."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.guides import DOCS, fenced, section
+from tests.worlds import ENV
+
+from isotrain.train.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTING = (
+    "isotrain doctor: starting 2 workers through torchrun on this machine, 1 thread each "
+    "(OMP_NUM_THREADS)\n"
+)
+
+
+def _page() -> str:
+    return section(DOCS / "ranks.md", "# Across ranks")
+
+
+def _command() -> list[str]:
+    """The guide's launcher command, as argv for `python -m isotrain`."""
+    (line,) = [c for c in fenced(_page(), "bash") if "--nproc-per-node" in c]
+    words = shlex.split(line)
+    assert words[:3] == [".venv/bin/isotrain", "doctor", "--nproc-per-node"], words
+    return words[1:]
+
+
+def _isotrain(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [sys.executable, "-m", "isotrain", *argv], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+
+
+def _timing_free(text: str) -> str:
+    return re.sub(r"in [0-9.]+ s\)", "in ... s)", text)
+
+
+@pytest.mark.slow
+def test_the_guides_command_prints_one_table_and_exits_with_the_doctors_status(
+    tmp_path: Path,
+) -> None:
+    example, fixed = fenced(_page(), "python")[:2]
+    (tmp_path / "ddp_example.py").write_text(example)
+    (tmp_path / "ddp_fixed.py").write_text(example + fixed)
+    (shown,) = [b for b in fenced(_page(), "text") if b.startswith("SEVERITY")]
+    argv = _command()
+
+    bug = _isotrain(argv, tmp_path)
+    assert (bug.returncode, bug.stderr) == (1, STARTING)  # no traceback, no torchrun summary
+    assert _timing_free(bug.stdout) == _timing_free(shown)
+
+    clean = _isotrain([w.replace("ddp_example", "ddp_fixed") for w in argv], tmp_path)
+    assert (clean.returncode, clean.stderr) == (0, STARTING)
+    assert clean.stdout.startswith("SEVERITY KIND") and clean.stdout.count("SEVERITY") == 1
+    assert "\n0 error(s), 0 warning(s), 3 info" in clean.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--nproc-per-node", "2", "--trainer"], "--nproc-per-node N runs FILE.py's setup on N"),
+        (["--nproc-per-node", "2", "nothere.py"], "nothere.py: no such Python file"),
+        (["--nproc-per-node", "0", "x.py"], "--nproc-per-node 0 is not a positive integer"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_any_worker_starts(argv, error, capsys) -> None:
+    assert main(["doctor", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"isotrain doctor: error: {error}") and err.count("\n") == 1
