@@ -22,8 +22,8 @@ import torch
 from isotrain._torch_private import DispatchMode, to_target_device, tree_leaves
 
 __all__ = [
-    "DOCTOR_DIR", "STDLIB_DIR", "TORCH_DIR", "OpWatch", "Site", "bad_values", "local",
-    "short_path", "user_site", "value_ranges", "watching",
+    "DOCTOR_DIR", "STDLIB_DIR", "TORCH_DIR", "OpWatch", "Site", "bad_values", "doctors_own",
+    "local", "short_path", "user_site", "value_ranges", "watching",
 ]  # fmt: skip
 
 aten = torch.ops.aten
@@ -279,10 +279,24 @@ def _risky_input(watch: OpWatch, func: Any, x: torch.Tensor) -> None:
             ))  # fmt: skip
 
 
+_ACTIVE: list[OpWatch] = []  # the watches open now (innermost last)
+
+
+@contextlib.contextmanager
+def doctors_own() -> Iterator[None]:
+    """Ops inside the block are the doctor's own, whatever watch is open (its exchange between
+    ranks inside the user's collective): none of them counts as the user's."""
+    with contextlib.ExitStack() as stack:
+        for watch in list(_ACTIVE):
+            stack.enter_context(watch.pause())
+        yield
+
+
 @contextlib.contextmanager
 def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
     """Watch every aten op inside the block (and .tolist()/.numpy()/.cpu() calls)."""
     watch = OpWatch()
+    _ACTIVE.append(watch)
     saved: dict[str, Callable[..., Any]] = {}
     for name, what in _METHODS.items():
         saved[name] = getattr(torch.Tensor, name)
@@ -293,6 +307,7 @@ def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
         with _Mode(watch, numerics):
             yield watch
     finally:
+        _ACTIVE.remove(watch)
         for name, method in saved.items():
             setattr(torch.Tensor, name, method)
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from isotrain._torch_private import default_store
+from isotrain.doctor.ground.watch import doctors_own
 
 __all__ = ["RankError", "Ranks", "checksum", "distributed", "float_sum", "split_ranks"]
 
@@ -118,7 +119,8 @@ class Ranks:
         self.seq += 1
         got: list[Any] = [None] * self.world
         try:
-            _ALL_GATHER_OBJECT(got, (what, note or what, payload), group=self.group)
+            with doctors_own():  # its pickling reads sizes on the host: not the user's syncs
+                _ALL_GATHER_OBJECT(got, (what, note or what, payload), group=self.group)
         except Exception as e:
             raise self._failed(note or what, e) from None
         if any(w != what for w, _, _ in got):
@@ -133,7 +135,8 @@ class Ranks:
         self.seq += 1
         both = torch.cat([vec, -vec])
         try:
-            _ALL_REDUCE(both, op=dist.ReduceOp.MAX, group=self.group)
+            with doctors_own():
+                _ALL_REDUCE(both, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:
             raise self._failed(what, e) from None
         n = vec.numel()
