@@ -61,9 +61,12 @@ def test_real_training_code_gets_no_alarm_and_comes_back_untouched(name: str) ->
     assert _same(_kept_state(extras), before)  # the EMA, the scheduler, the step counter
 
 
-@pytest.mark.parametrize("name", ["lora_finetune", "long_warmup", "diffusion_noise"])
+@pytest.mark.parametrize(
+    "name", ["lora_finetune", "long_warmup", "diffusion_noise", "vae_summed_loss"]
+)
 def test_slow_or_noisy_learning_is_not_a_cannot_overfit_warning(name: str) -> None:
-    """A LoRA rate, a warmup that keeps the lr near 0, a loss drawing new noise each call."""
+    """A LoRA rate, a warmup that keeps the lr near 0, a loss drawing new noise each call, a
+    summed loss with a large floor."""
     setup, _ = _split(REAL[name]())
     d = examine(**setup, checks=["cannot_overfit"])
     assert [f for f in d.findings if f.severity != "info"] == [], d
@@ -169,3 +172,25 @@ def test_mode_leak_is_an_error_only_when_the_next_step_runs_differently() -> Non
     resets["step"] = step
     (f,) = examine(**resets, checks=["mode_leak"]).findings
     assert f.severity == "info"
+
+
+def test_an_epoch_function_is_examined_as_the_loop_runs_it() -> None:
+    """pytorch/examples mnist's train(model, device, loader, optimizer, epoch) shape: the
+    epoch sets model.train() itself, so test()'s model.eval() leaks nothing that matters."""
+    setup = _classifier(0.5)
+    step = setup.pop("step")
+
+    def train_epoch(model: nn.Module, optimizer: Any, loader: Any) -> float:
+        model.train()
+        total = torch.zeros(())
+        for batch in loader:
+            total += step(model, optimizer, batch).detach()  # type: ignore[operator]
+        return float(total) / len(loader)  # sync: once per epoch, for the log
+
+    d = examined_untouched(setup, epoch=train_epoch, checks="fast")
+    assert d.of("doctor_error") == [], d
+    no_alarm(d)
+    (leak,) = d.of("mode_leak")
+    assert leak.severity == "info"
+    with pytest.raises(ValueError, match="pass step=your_step or epoch=your_epoch, not both"):
+        examine(**setup, step=step, epoch=train_epoch)

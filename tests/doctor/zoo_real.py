@@ -519,6 +519,82 @@ def real_long_warmup() -> dict[str, Any]:
             "scheduler": sched}  # fmt: skip
 
 
+class Flow(nn.Module):
+    """A RealNVP-style flow whose prior is a torch.distributions object it holds (a Gaussian
+    pushed through an affine transform), trained by maximum likelihood."""
+
+    def __init__(self, d: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d // 2, 16), nn.Tanh(), nn.Linear(16, d))
+        base = torch.distributions.Normal(torch.zeros(d), torch.ones(d))
+        shift = torch.distributions.transforms.AffineTransform(0.0, 1.0, cache_size=1)
+        self.prior = torch.distributions.TransformedDistribution(base, [shift])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, dim=1)
+        s, t = self.net(a).chunk(2, dim=1)
+        z = torch.cat([a, b * torch.exp(s) + t], dim=1)
+        return -(self.prior.log_prob(z).sum(1) + s.sum(1))
+
+
+@_seeded
+def real_normalizing_flow() -> dict[str, Any]:
+    """A normalizing flow's negative log-likelihood, its prior a distributions object."""
+    model = Flow()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = model(batch).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": [torch.randn(8, 4) for _ in range(2)],
+            "step": step}  # fmt: skip
+
+
+@_seeded
+def real_compiled_model() -> dict[str, Any]:
+    """A model wrapped by torch.compile before training (the wrapper is what the loop calls)."""
+    model = torch.compile(_classifier(), backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
+
+
+@_seeded
+def real_vae_summed_loss() -> dict[str, Any]:
+    """pytorch/examples VAE: a summed reconstruction loss plus KL, a new reparameterisation
+    draw every call, on images that are noise."""
+    enc, dec = nn.Linear(16, 8), nn.Linear(4, 16)
+    model = nn.ModuleDict({"enc": enc, "dec": dec})
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        mu, logvar = model["enc"](batch).chunk(2, dim=1)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        recon = torch.sigmoid(model["dec"](z))
+        bce = F.binary_cross_entropy(recon, batch, reduction="sum")
+        kld = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+        loss = bce + kld
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": [torch.rand(8, 16) for _ in range(2)],
+            "step": step}  # fmt: skip
+
+
 REAL = {
     "rnn_carried_state": real_rnn_carried_state,
     "gcn_sparse_graph": real_gcn_sparse_graph,
@@ -536,4 +612,7 @@ REAL = {
     "step_counter_lr": real_step_counter_lr,
     "diffusion_noise": real_diffusion_noise,
     "long_warmup": real_long_warmup,
+    "normalizing_flow": real_normalizing_flow,
+    "compiled_model": real_compiled_model,
+    "vae_summed_loss": real_vae_summed_loss,
 }

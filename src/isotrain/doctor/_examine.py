@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from isotrain._shared import all_cuda_devices, capture_rng, restore_rng
-from isotrain._torch_private import optimizer_set_up
 from isotrain.doctor import (
     data,
     losses,
@@ -34,6 +33,7 @@ from isotrain.doctor import (
 from isotrain.doctor.ground.context import CannotRun, Context, StepFn
 from isotrain.doctor.ground.finding import Diagnosis, Finding
 from isotrain.doctor.ground.kinds import DOCTOR_ERROR, Check
+from isotrain.doctor.ground.steps import epoch_step, loss_of, optimizers_in, plain_step
 from isotrain.doctor.performance.compile import user_compiles
 from isotrain.doctor.ranks.collectives import Collectives, checking_collectives
 from isotrain.doctor.ranks.link import RankError, Ranks, distributed
@@ -82,22 +82,6 @@ def _selected(checks: str | Sequence[str]) -> tuple[list[Check], set[str]]:
     return [c for c in CHECKS if kinds & set(c.names)], kinds
 
 
-def _plain_step(loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> StepFn:
-    """isotrain's plain step: zero_grad, loss_fn, backward, optimizer.step."""
-
-    def step(model: nn.Module, optimizer: Any, batch: Any) -> torch.Tensor:
-        optimizers = _optimizers(optimizer)
-        for opt in optimizers:
-            opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model, batch)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
-        return loss
-
-    return step
-
-
 def _generators(batches: Any) -> list[torch.Generator]:
     """The torch.Generators a DataLoader draws its order from (iterating advances them)."""
     sampler = getattr(batches, "sampler", None)
@@ -125,32 +109,6 @@ def _batches(batches: Iterable[Any], rng: dict[str, Any]) -> list[Any]:
             "batch with another, e.g. batches=[next(it), next(it)]"
         )
     return items[:MAX_BATCHES]
-
-
-def _model_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The loss a Hugging Face style model returns for a dict batch: model(**batch).loss."""
-    out = model(**batch)
-    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise ValueError(
-            "the model returned no .loss for a dict batch: put labels in the batch, or pass "
-            "loss_fn=f(model, batch) or step=your_step(model, optimizer, batch)"
-        )
-    return loss
-
-
-def _loss_of(
-    items: list[Any], loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None
-) -> Callable[[nn.Module, Any], torch.Tensor]:
-    """loss_fn, or the model's own .loss for dict batches (refused for any other batch)."""
-    if loss_fn is not None:
-        return loss_fn
-    if not isinstance(items[0], dict):
-        raise ValueError(
-            "pass step=your_step(model, optimizer, batch) or loss_fn=f(model, batch) (a dict "
-            "batch needs neither when the model returns .loss)"
-        )
-    return _model_loss
 
 
 def _raised(where: str, e: Exception) -> Finding:
@@ -187,44 +145,13 @@ def _run_one(check: Check, ctx: Context, kinds: set[str]) -> list[Finding]:
         log.debug("doctor check %s: %.2f s", check.name, time.perf_counter() - started)
 
 
-_WRAPPED = ("optimizer", "_optimizer", "optim")  # where frameworks keep the optimizer they wrap
-
-
-def _unwrapped(optimizer: Any) -> Any:
-    """The torch optimizer a framework's wrapper delegates to (accelerate's
-    AcceleratedOptimizer, Lightning's LightningOptimizer and the like), else `optimizer`."""
-    for _ in range(8):  # wrappers of wrappers, never a cycle
-        if isinstance(optimizer, torch.optim.Optimizer) and optimizer_set_up(optimizer):
-            return optimizer
-        held = (getattr(optimizer, name, None) for name in _WRAPPED)
-        inside = next((o for o in held if isinstance(o, torch.optim.Optimizer)), None)
-        if inside is None:
-            return optimizer
-        optimizer = inside
-    return optimizer
-
-
-def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers in `optimizer` (one, or a sequence of them: a GAN's two), each
-    taken out of a framework's wrapper; the user's step still gets what they passed."""
-    many = isinstance(optimizer, (list, tuple))
-    found = [_unwrapped(o) for o in (optimizer if many else [optimizer])]
-    bad = [o for o in found if not isinstance(o, torch.optim.Optimizer)]
-    if bad or not found:
-        what = type(bad[0]).__name__ if bad else "an empty sequence"
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or a list of them, got {what}; pass "
-            "the real optimizer inside a wrapper (e.g. fabric_optimizer.optimizer)"
-        )
-    return found
-
-
 def examine(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     batches: Iterable[Any],
     *,
     step: StepFn | None = None,
+    epoch: Callable[[nn.Module, Any, Any], Any] | None = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
     eval_fn: Callable[[nn.Module, Any], Any] | None = None,
     forward: Callable[[nn.Module, Any], Any] | None = None,
@@ -241,9 +168,12 @@ def examine(
     schedulers bound to it, what your step keeps in globals (a hidden state, a list of
     losses), the RNGs and every global flag are as before when it returns.
     `batches`: a list, a DataLoader or any iterable (its first 8). `step(model, optimizer,
-    batch) -> loss` is your own training step; without it `loss_fn(model, batch) -> loss`
-    drives a plain one, and a dict batch needs neither when the model returns `.loss`
-    (`model(**batch).loss`, as Hugging Face models do).
+    batch) -> loss` is your own training step; or `epoch(model, optimizer, loader)`, your own
+    epoch function, run over one batch at a time (its model.train(), zero_grad placement and
+    schedule as your loop runs them; `loader` holds that batch and your loader's attributes);
+    without either, `loss_fn(model, batch) -> loss` drives a plain step, and a dict batch
+    needs none of them when the model returns `.loss` (`model(**batch).loss`, as Hugging Face
+    models do).
 
     Checks that run a forward of their own call the model exactly as your step does for that
     batch (its arguments are recorded from your step, which stops there and is put back);
@@ -262,15 +192,19 @@ def examine(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    optimizers = _optimizers(optimizer)
+    optimizers = optimizers_in(optimizer)
     if task not in _TASKS:
         raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
     items = _batches(batches, rng)
+    if step is not None and epoch is not None:
+        raise ValueError("pass step=your_step or epoch=your_epoch, not both")
+    if epoch is not None:
+        step = epoch_step(epoch, batches)
     ctx = Context(
-        model, optimizer, optimizers, items, step or _plain_step(_loss_of(items, loss_fn)),
+        model, optimizer, optimizers, items, step or plain_step(loss_of(items, loss_fn)),
         eval_fn, task, step is None, rng, source=batches, forward=forward,
         samples_interact=samples_interact, loss_falls=loss_falls,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),

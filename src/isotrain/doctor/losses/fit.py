@@ -10,6 +10,7 @@ GAN's adversarial losses, several optimizers) is not judged.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import pairwise
@@ -29,7 +30,6 @@ __all__ = ["LOSS_AT_INIT", "OVERFIT", "check_loss_at_init", "check_overfit"]
 OVERFIT_STEPS = 30
 BOOST = 10.0  # the second try's learning-rate factor
 _FELL = 0.9  # a loss that ends below 90% of where it started has fallen
-_STEADY = 0.8  # ... or that fell in 80% of the steps, by 1% at least: slow, but learning
 _NOISY = 0.05  # a loss that moves 5% with the RNG alone at the same weights is not judged
 
 
@@ -85,12 +85,19 @@ def _rng_spread(ctx: Context, first: float) -> float:
 
 
 def _fell(losses: list[float]) -> bool:
-    """A clear fall (below 90%), or a steady one (1% or more, falling in 80% of the steps)."""
+    """A clear fall (below 90%), or a significant one: the last third's mean below the first
+    third's by 1% at least and by three standard errors of the step-to-step noise (a summed
+    loss with a large floor, a slow fine-tune, a loss drawn with fresh noise each call)."""
     first, last = losses[0], min(losses[-3:])
     if not math.isfinite(last):
         return False
-    falls = sum(b < a for a, b in pairwise(losses)) / (len(losses) - 1)
-    return last <= _FELL * first or (last <= 0.99 * first and falls >= _STEADY)
+    if last <= _FELL * first:
+        return True
+    n = len(losses) // 3
+    early, late = statistics.fmean(losses[:n]), statistics.fmean(losses[-n:])
+    noise = statistics.pstdev([b - a for a, b in pairwise(losses)]) / math.sqrt(2)
+    drop = early - late
+    return drop > 0.01 * abs(early) and drop > 3 * noise * math.sqrt(2 / n)
 
 
 def check_overfit(ctx: Context) -> list[Finding]:

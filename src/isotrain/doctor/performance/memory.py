@@ -71,7 +71,14 @@ def check_memory(ctx: Context) -> list[Finding]:
                 m, *args, example_kwargs=kwargs, modules=spec, recompute=False
             )
 
-    base = measure(model)
+    try:
+        base = measure(model)
+    except Exception as e:  # the copy's forward, not the doctor's: a setup a copy breaks
+        first = (str(e).splitlines() or [""])[0][:120]
+        raise CannotRun(
+            f"a deep copy of the model does not run as the model does ({type(e).__name__}: "
+            f"{first}), and this check measures a copy"
+        ) from e
     if base.total_bytes == 0:
         raise CannotRun("the forward saved no activations for backward")
     per_block = ", ".join(f"{b.name} {_mb(b.saved_bytes)}" for b in base.blocks[:4])

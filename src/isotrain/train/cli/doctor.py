@@ -19,7 +19,6 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
-import itertools
 import json
 import os
 import sys
@@ -241,11 +240,10 @@ def _join_launched_world() -> None:
 # workers at once (rank 0, perhaps mid-table or mid-JSON) and raises its ChildFailedError,
 # whose traceback and failure summary end the output, exit 1. Rank 1 finishes first (it prints
 # nothing), so an error finding used to reach the user as torchrun's traceback. So every rank
-# waits, on the group's store, for rank 0 to have printed, and a rank that exits 1 writes its
+# waits, in a barrier rank 0 reaches once it has printed, and a rank that exits 1 writes its
 # line in torchrun's error file: the launcher of --nproc-per-node prints none (the table said
 # it) and returns the status; plain torchrun shows the line in its summary, in place of "To
 # enable traceback", and exits 1 (torchrun's own status for any failed worker).
-_FINISHED = itertools.count()  # doctor runs in this process: the same count on every rank
 
 
 def _exit_together(status: int, diagnosis: Diagnosis) -> None:
@@ -253,17 +251,13 @@ def _exit_together(status: int, diagnosis: Diagnosis) -> None:
     for torchrun's launcher (NOTE [ranks exit together])."""
     import torch.distributed as dist
 
-    from isotrain._torch_private import default_store
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    key = f"isotrain-doctor/printed/{next(_FINISHED)}"
-    store = default_store()
-    if dist.get_rank() == 0:
-        store.set(key, "1")
-    else:
-        with contextlib.suppress(Exception):  # rank 0 gone: its own status tells why
-            store.wait([key], timedelta(seconds=PRINT_TIMEOUT))
+    with contextlib.suppress(Exception):  # rank 0 gone: its own status tells why
+        if dist.get_backend() == "gloo":  # rank 0 reaches it once its table is printed
+            dist.monitored_barrier(timeout=timedelta(seconds=PRINT_TIMEOUT))
+        else:
+            dist.barrier()
     if status:
         errors = sorted({f.kind for f in diagnosis.findings if f.severity == "error"})
         line = f"isotrain doctor: error findings ({', '.join(errors)}): rank 0's table is above"
