@@ -595,6 +595,66 @@ def real_vae_summed_loss() -> dict[str, Any]:
             "step": step}  # fmt: skip
 
 
+@_seeded
+def real_policy_gradient() -> dict[str, Any]:
+    """pytorch/examples reinforce.py's update: actions sampled from the policy each call, the
+    surrogate -(log_prob * normalised return), which is not a loss meant to fall."""
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        states, rewards = batch
+        # validation on, the default until torch.compile turns it off for the whole process
+        dist = torch.distributions.Categorical(logits=model(states), validate_args=True)
+        actions = dist.sample()
+        returns = rewards * (actions.float() * 2 - 1)  # the environment's answer to the action
+        returns = (returns - returns.mean()) / (returns.std() + 1e-6)
+        loss = -(dist.log_prob(actions) * returns).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    batches = [(torch.randn(16, 4), torch.rand(16)) for _ in range(2)]
+    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+
+
+class OneModuleGAN(nn.Module):
+    """A GAN in one module with one optimizer: the discriminator's loss and the generator's
+    summed, the generator's gradient reversed into the discriminator (a common shortcut)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.d = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, real: torch.Tensor) -> torch.Tensor:
+        fake = self.g(torch.randn(real.shape[0], 4))
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        d_loss = F.binary_cross_entropy_with_logits(self.d(real), ones)
+        d_loss = d_loss + F.binary_cross_entropy_with_logits(self.d(fake.detach()), zeros)
+        g_loss = F.binary_cross_entropy_with_logits(self.d(fake), ones)
+        return d_loss + g_loss
+
+
+@_seeded
+def real_one_module_gan() -> dict[str, Any]:
+    """The one-module GAN above, trained with one Adam on d_loss + g_loss, declared
+    adversarial (task="gan")."""
+    model = OneModuleGAN()
+    opt = torch.optim.Adam(model.parameters(), lr=2e-4, betas=(0.5, 0.999))
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = model(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return {"model": model, "optimizer": opt, "batches": [torch.rand(6, 8) for _ in range(2)],
+            "step": step, "task": "gan"}  # fmt: skip
+
+
 REAL = {
     "rnn_carried_state": real_rnn_carried_state,
     "gcn_sparse_graph": real_gcn_sparse_graph,
@@ -615,4 +675,6 @@ REAL = {
     "normalizing_flow": real_normalizing_flow,
     "compiled_model": real_compiled_model,
     "vae_summed_loss": real_vae_summed_loss,
+    "policy_gradient": real_policy_gradient,
+    "one_module_gan": real_one_module_gan,
 }

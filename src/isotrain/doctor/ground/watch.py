@@ -33,6 +33,7 @@ STDLIB_DIR = os.path.dirname(contextlib.__file__)
 DOCTOR_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OPTIM = os.path.join(TORCH_DIR, "optim")
 _AMP = os.path.join(TORCH_DIR, "amp")  # GradScaler.step reads found_inf on the host by design
+_DISTRIBUTIONS = os.path.join(TORCH_DIR, "distributions")
 _MODULE_CALL = os.path.join(TORCH_DIR, "nn", "modules", "module.py")
 # frames through which torch runs code of its own: a module's forward, autograd's engine
 _TORCH_CALLS = {
@@ -77,6 +78,7 @@ class Site:
     marked: bool = False  # the line carries a `# sync:` comment: intentional
     names_host: bool = False  # the line moves a tensor `.to("cpu")` by name
     in_forward: bool = False  # inside a module's forward (the model's own algorithm)
+    validating: bool = False  # torch.distributions checking its arguments (validate_args)
 
 
 def user_site() -> Site:
@@ -84,11 +86,12 @@ def user_site() -> Site:
     that torch's own code runs on the way (a torch module's forward, such as DDP's, a
     backward hook torch registered, GradScaler's step) counts as inside a library."""
     frame = sys._getframe(1)
-    in_optim = in_torch = False
+    in_optim = in_torch = validating = False
     while frame is not None:
         path = frame.f_code.co_filename
         if path.startswith(_OPTIM):
             in_optim = True
+        validating = validating or path.startswith(_DISTRIBUTIONS)
         if (path, frame.f_code.co_name) in _TORCH_CALLS or path.startswith(_AMP):
             in_torch = True
         if not (path.startswith((TORCH_DIR, STDLIB_DIR, DOCTOR_DIR)) or path.startswith("<frozen")):
@@ -97,7 +100,7 @@ def user_site() -> Site:
             line = linecache.getline(path, frame.f_lineno)
             return Site(
                 f"{short_path(path)}:{frame.f_lineno}", lib, in_optim, "# sync:" in line,
-                bool(_NAMES_HOST.search(line)), _in_module_call(frame),
+                bool(_NAMES_HOST.search(line)), _in_module_call(frame), validating,
             )  # fmt: skip
         frame = frame.f_back  # type: ignore[assignment]
     return Site("<torch>", True, in_optim)
@@ -129,6 +132,7 @@ class OpWatch:
     library_syncs: set[str] = field(default_factory=set)  # wheres inside installed packages
     marked_syncs: set[str] = field(default_factory=set)  # wheres marked `# sync:`
     forward_syncs: set[str] = field(default_factory=set)  # wheres inside a module's forward
+    validating_syncs: set[str] = field(default_factory=set)  # torch.distributions' checks
     nonfinite: tuple[str, str, str] | None = None  # (op, where, input ranges)
     risks: dict[tuple[str, str], str] = field(default_factory=dict)  # (where, what) -> evidence
     library_risks: set[str] = field(default_factory=set)  # risk wheres inside installed packages
@@ -162,6 +166,8 @@ class OpWatch:
             self.marked_syncs.add(site.where)
         if site.in_forward:
             self.forward_syncs.add(site.where)
+        if site.validating:
+            self.validating_syncs.add(site.where)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,11 @@ def _fix_for(what: str) -> str:
 
 
 _NONE = "none needed; on an accelerator it waits"
+_VALIDATING = " (torch.distributions checking its arguments' values on the host)"
+_VALIDATE_FIX = (
+    "pass validate_args=False to the distribution (or call torch.distributions.Distribution."
+    "set_default_validate_args(False) once) when its inputs are known to be valid"
+)
 _IN_FORWARD = (
     " inside the model's forward: part of its algorithm (a data-dependent shape, as an MoE's "
     "routing and capacity need); on an accelerator the step waits there"
@@ -60,6 +65,9 @@ def check_host_sync(ctx: Context) -> list[Finding]:
             note, fix = " (inside an installed library, not your code)", _NONE
         elif where in watch.marked_syncs:
             note, fix = " (the line is marked `# sync:`: intentional)", _NONE
+        elif where in watch.validating_syncs:
+            sev = "warning"
+            note, fix = _VALIDATING, _VALIDATE_FIX
         elif where in watch.forward_syncs:
             note, fix = _IN_FORWARD, "keep it where the value sizes work; otherwise " + fix
         else:
