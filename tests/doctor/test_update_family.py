@@ -157,3 +157,14 @@ def test_another_optimizers_gradient_cleared_after_a_step_is_not_a_discard(detac
 def test_a_clip_misplaced_in_a_helper_is_found_at_each_line_once() -> None:
     d = examine(**zoo_update.setup_clip_after_step(False), checks=["clip_misplaced"])
     assert len(d.findings) == 1 and "call 1 of your step" in d.findings[0].evidence, d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
+def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks="all")
+    assert severities(d, kind) == [severity], d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
+def test_held_out_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))
