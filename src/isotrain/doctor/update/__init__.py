@@ -1,15 +1,24 @@
-"""The update path: which parameters the optimizers hold and move (params), and the
-gradient optimizer.step() applies against a fresh one of the same samples (gradients).
+"""The update path: which parameters the optimizers hold and move (params), the gradient
+optimizer.step() applies against a fresh one of the same samples (gradients), and the order
+of zero_grad, backward, clipping, unscale_ and step (order, on the watched calls of path).
 
 Kinds: `parameter_not_in_optimizer`, `frozen_parameter_in_optimizer`, `duplicate_parameter`,
 `weight_decay_on_norm_or_bias`, `unused_parameter`, `params_unchanged`, `stale_gradient`,
-`accumulation_scale`.
+`accumulation_scale`, `gradient_discarded`, `clip_misplaced`.
 """
 
 from isotrain.doctor.ground.kinds import Check
 from isotrain.doctor.update.gradients import ACCUMULATION_SCALE, STALE_GRADIENT
+from isotrain.doctor.update.order import CLIPPING, DISCARDED
 from isotrain.doctor.update.params import LEARNING, OPTIMIZER
 
 __all__ = ["CHECKS"]
 
-CHECKS: tuple[Check, ...] = (OPTIMIZER, LEARNING, STALE_GRADIENT, ACCUMULATION_SCALE)
+CHECKS: tuple[Check, ...] = (
+    OPTIMIZER,
+    LEARNING,
+    STALE_GRADIENT,
+    ACCUMULATION_SCALE,
+    DISCARDED,
+    CLIPPING,
+)

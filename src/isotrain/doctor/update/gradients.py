@@ -7,6 +7,7 @@ from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.trace import StepTrace, trace_ok
+from isotrain.doctor.update.path import path
 
 __all__ = ["ACCUMULATION_SCALE", "STALE_GRADIENT", "check_accumulation", "check_stale"]
 
@@ -36,8 +37,13 @@ def _fitted(ctx: Context) -> list[StepTrace]:
 
 
 def check_stale(ctx: Context) -> list[Finding]:
-    """stale_gradient: step() receives the fresh gradient plus what an earlier step left."""
-    for s in _fitted(ctx):
+    """stale_gradient: step() receives the fresh gradient plus what an earlier step left;
+    judged on the update path's own fit where no loss call gives a reference."""
+    try:
+        fitted = _fitted(ctx)
+    except CannotRun as e:
+        return _stale_on_path(ctx, e)
+    for s in fitted:
         f = s.fit
         if s.index == 0 or f is None or f.before_norm < 0.05 or abs(f.b - 1) > 0.2:
             continue
@@ -47,6 +53,29 @@ def check_stale(ctx: Context) -> list[Finding]:
             f"of its batch plus {f.b:.2f} x the gradient left in .grad by the step before "
             f"(|left| = {f.before_norm:.2g} x |fresh|, fit residual {f.residual:.1%}): "
             "gradients add up across steps",
+            "call optimizer.zero_grad() once per optimizer step, before the forward or right "
+            "after optimizer.step(); with gradient accumulation, after the step that ends it",
+        )]  # fmt: skip
+    return []
+
+
+def _stale_on_path(ctx: Context, why: CannotRun) -> list[Finding]:
+    """stale_gradient from the update path (NOTE [pending gradient] in update.path): the
+    gradient step() received holds the one the step before applied with the weight of the new
+    one (b = a), whatever the loss; CannotRun(why) when no step could be fitted."""
+    p = path(ctx)
+    fits = [s for s in p.stale if s.residual < _FIT]
+    if p.closure or not fits:
+        raise why
+    for s in fits:
+        if s.a <= 0 or abs(s.b / s.a - 1) > 0.2 or s.left < 0.05:
+            continue
+        return [Finding(
+            "stale_gradient", "error", s.where,
+            f"at call {s.call + 1} of your step, optimizer.step() received what backward added "
+            f"since the step before plus {s.b / s.a:.2f} x the gradient that step applied "
+            f"(|left| = {s.left:.2g} x |received|, fit residual {s.residual:.1%}): gradients "
+            "add up across steps",
             "call optimizer.zero_grad() once per optimizer step, before the forward or right "
             "after optimizer.step(); with gradient accumulation, after the step that ends it",
         )]  # fmt: skip

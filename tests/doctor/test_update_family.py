@@ -1,0 +1,170 @@
+"""The update-path family: each report's bug is named at its severity, its correct twin gets no
+error and no warning from any check and is left untouched, other forms of the same bug are
+named too, and correct code that reorders the path on purpose (SAM, a logged norm, LBFGS,
+GANs, accumulation over calls) gets no alarm."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tests.doctor import zoo_update
+from tests.doctor.test_trust import examined_untouched, no_alarm
+from tests.doctor.zoo import ce, mlp_setup
+from tests.doctor.zoo_real import REAL
+from torch import nn
+
+from isotrain.doctor import examine
+
+KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient"]
+EXTRAS = ("ema", "scheduler", "counter")
+
+
+def _id(v: Any) -> str:
+    return getattr(v, "__name__", str(v))
+
+
+def severities(d: Any, kind: str) -> list[str]:
+    return [f.severity for f in d.findings if f.kind == kind]
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.BUGS, ids=_id)
+def test_the_bug_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks=[kind])
+    assert severities(d, kind) == [severity], d
+    assert d.findings[0].where.startswith("tests/doctor/zoo_update.py:"), d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.BUGS, ids=_id)
+def test_the_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))
+
+
+@pytest.mark.parametrize("name", sorted(REAL))
+def test_real_training_code_gets_no_alarm_from_the_update_path(name: str) -> None:
+    setup = {k: v for k, v in REAL[name]().items() if k not in EXTRAS}
+    d = examine(**setup, checks=KINDS)
+    assert not [f for f in d.findings if f.severity != "info"], d
+
+
+def _accumulating_over_calls(bug: bool) -> dict[str, Any]:
+    """One micro-batch per call, a step every second call; the bug zeroes at every call."""
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        if bug:
+            model.zero_grad()  # BUG: the model's zero_grad, every micro-batch
+        (ce(model, batch) / 2).backward()
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            opt.step()
+            if not bug:
+                opt.zero_grad()
+        return torch.zeros(())
+
+    return mlp_setup(step=step)
+
+
+def test_zeroing_each_call_of_an_accumulation_over_calls_is_named() -> None:
+    (f,) = examine(**_accumulating_over_calls(True), checks=["gradient_discarded"]).findings
+    assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
+    no_alarm(examine(**_accumulating_over_calls(False), checks=KINDS))
+
+
+def _sam_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """SAM: the first gradient moves the weights to a nearby worst case, is cleared, and the
+    gradient there is applied from the original weights."""
+    opt.zero_grad()
+    ce(model, batch).backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    with torch.no_grad():
+        norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+        eps = [0.05 * p.grad / (norm + 1e-12) for p in params]
+        for p, e in zip(params, eps, strict=True):
+            p.add_(e)
+    opt.zero_grad()
+    loss = ce(model, batch)
+    loss.backward()
+    with torch.no_grad():
+        for p, e in zip(params, eps, strict=True):
+            p.sub_(e)
+    opt.step()
+    return loss.detach()
+
+
+def _logged_norm_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """A clip with an infinite limit after the step: it only measures the norm for a log."""
+    opt.zero_grad()
+    loss = ce(model, batch)
+    loss.backward()
+    opt.step()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+    return loss.detach()
+
+
+def _frozen_clip_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """Clipping a list of parameters of which none has a gradient (a frozen part) is harmless."""
+    opt.zero_grad()
+    loss = ce(model, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([nn.Parameter(torch.zeros(3))], 1.0)
+    torch.nn.utils.clip_grad_value_(model.parameters(), 10.0)
+    opt.step()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("step", [_sam_step, _frozen_clip_step], ids=_id)
+def test_a_path_reordered_on_purpose_gets_no_alarm(step: Any) -> None:
+    no_alarm(examined_untouched(mlp_setup(step=step), checks="all"))
+
+
+def test_a_clip_with_an_infinite_limit_only_measures() -> None:
+    # (numerics' nonfinite_forward still flags the inf inside clip_grad_norm_: not this family)
+    no_alarm(examined_untouched(mlp_setup(step=_logged_norm_step), checks=KINDS))
+
+
+def _two_optimizers(detach: bool) -> dict[str, Any]:
+    """Two networks, the second's loss flowing into the first unless detached; each step
+    zeroes its own optimizer: the other one's pending gradient is thrown away by design."""
+    torch.manual_seed(0)
+    enc, head = nn.Linear(8, 8), nn.Linear(8, 4)
+    model = nn.Sequential(enc, head)
+    opts = [torch.optim.SGD(enc.parameters(), lr=0.1), torch.optim.SGD(head.parameters(), lr=0.1)]
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        h = enc(x)
+        opts[1].zero_grad()
+        F.cross_entropy(head(h.detach() if detach else h), y).backward(retain_graph=True)
+        opts[1].step()
+        opts[0].zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opts[0].step()
+        return loss.detach()
+
+    return mlp_setup(model=model, optimizer=opts, step=step)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_another_optimizers_gradient_cleared_after_a_step_is_not_a_discard(detach: bool) -> None:
+    d = examine(**_two_optimizers(detach), checks=KINDS)
+    assert not [f for f in d.findings if f.severity != "info"], d
+
+
+def test_a_clip_misplaced_in_a_helper_is_found_at_each_line_once() -> None:
+    d = examine(**zoo_update.setup_clip_after_step(False), checks=["clip_misplaced"])
+    assert len(d.findings) == 1 and "call 1 of your step" in d.findings[0].evidence, d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
+def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
+    d = examine(**make(False), checks="all")
+    assert severities(d, kind) == [severity], d
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
+def test_held_out_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))

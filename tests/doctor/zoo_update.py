@@ -1,0 +1,208 @@
+"""The update-path family's zoo: each public report rebuilt as a small setup, with its correct
+twin (`make(fixed)`: False is the report's bug, True the same step done right). The reports
+are listed in update_reports.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tests.doctor.zoo import MLP, ce, features, mlp_setup, seeded
+from torch import nn
+
+K = 4  # micro-batches per optimizer step
+
+
+def _clip(model: nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+
+def setup_clip_after_step(fixed: bool) -> dict[str, Any]:
+    """https://github.com/awslabs/graphstorm/issues/1366: every trainer clips with
+    clip_grad_norm_ after optimizer.step(), so --max-grad-norm does nothing."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        if fixed:
+            _clip(model)
+        opt.step()
+        if not fixed:
+            _clip(model)  # BUG: the step already applied the unclipped gradient
+        return loss.detach()
+
+    return mlp_setup(step=step)
+
+
+def setup_clip_exhausted(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/pytorch/issues/148259: `params = model.parameters()` is
+    iterated once before the clip, which then receives an exhausted generator."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        params = list(model.parameters()) if fixed else model.parameters()
+        for p in params:  # e.g. counting the parameters that got a gradient
+            assert p.grad is not None
+        torch.nn.utils.clip_grad_norm_(params, 0.1)  # BUG (unfixed): nothing left to clip
+        opt.step()
+        return loss.detach()
+
+    return mlp_setup(step=step)
+
+
+def setup_clip_before_unscale(fixed: bool) -> dict[str, Any]:
+    """https://github.com/milesial/Pytorch-UNet/issues/468: with a GradScaler, gradients are
+    clipped before scaler.unscale_, on gradients still multiplied by the scale."""
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = ce(model, batch)
+        scaler.scale(loss).backward()
+        if fixed:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # BUG (unfixed): scaled grads
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    return mlp_setup(step=step)
+
+
+def setup_zero_grad_per_micro_batch(fixed: bool) -> dict[str, Any]:
+    """https://github.com/bytetriper/RAE/issues/67: optimizer.zero_grad(set_to_none=True)
+    inside the micro-batch loop: only the last micro-batch's gradient reaches the step."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if fixed:
+            opt.zero_grad(set_to_none=True)
+        for xs, ys in zip(x.chunk(K), y.chunk(K), strict=True):
+            if not fixed:
+                opt.zero_grad(set_to_none=True)  # BUG: clears the micro-batches before
+            loss = F.cross_entropy(model(xs), ys) / K
+            loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return mlp_setup(step=step)
+
+
+def setup_hand_written_without_zero_grad(fixed: bool) -> dict[str, Any]:
+    """The issue's planted bug: a deleted zero_grad where the loss is a hand-written sum (no
+    loss function the reference gradient reads): stale_gradient judged on the update path."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        if fixed:
+            opt.zero_grad()
+        logp = model(x).log_softmax(-1)
+        loss = -logp.gather(1, y[:, None]).sum() / len(y)  # BUG (unfixed): no zero_grad
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return mlp_setup(step=step, batches=features(4))
+
+
+# -- held out (update_reports.md): rebuilt once the checks were done -----------------------
+
+
+def setup_pixart_filter_clip(fixed: bool) -> dict[str, Any]:
+    """https://github.com/PixArt-alpha/PixArt-alpha/pull/160: the trainable (LoRA) parameters
+    are a filter() object; building the optimizer consumes it, so every
+    accelerator.clip_grad_norm_(params_to_clip, ...) later receives nothing."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = seeded(MLP)
+    model.fc1.requires_grad_(False)  # the frozen base; fc2 stands for the LoRA layers
+    lora_layers = filter(lambda p: p.requires_grad, model.parameters())
+    if fixed:
+        lora_layers = list(lora_layers)
+    opt = torch.optim.AdamW(lora_layers, lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        with accelerator.accumulate(model):
+            loss = ce(model, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                params_to_clip = lora_layers
+                accelerator.clip_grad_norm_(params_to_clip, 0.01)
+            opt.step()
+            opt.zero_grad()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=features(), step=step)
+
+
+class SyncedOptimizer:
+    """Accelerate's AcceleratedOptimizer under gradient accumulation, in short: step() and
+    zero_grad() act only on every k-th call (when gradients are synced)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, k: int) -> None:
+        self.optimizer, self.k, self.calls = optimizer, k, 0
+
+    def step(self) -> None:
+        self.calls += 1
+        if self.calls % self.k == 0:
+            self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        if self.calls % self.k == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+
+def setup_alpaca_policy_zero_grad(fixed: bool) -> dict[str, Any]:
+    """https://github.com/tatsu-lab/alpaca_farm/issues/57: the RL trainer clears gradients with
+    policy.zero_grad() (the model's) after each micro-batch, instead of the accumulating
+    optimizer's zero_grad, which does nothing until the step that ends the accumulation."""
+    model = seeded(MLP)
+    opt = SyncedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), k=2)
+
+    def step(policy: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        for xs, ys in zip(x.chunk(opt.k), y.chunk(opt.k), strict=True):  # the minibatches
+            loss = F.cross_entropy(policy(xs), ys) / opt.k
+            loss.backward()
+            opt.step()
+            if fixed:
+                opt.zero_grad()
+            else:
+                policy.zero_grad(set_to_none=True)  # BUG: clears every micro-batch
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=features(4), step=step)
+
+
+HELD_OUT: list[tuple[str, Any, str]] = [
+    ("clip_misplaced", setup_pixart_filter_clip, "error"),
+    ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
+]
+
+
+def _pair(make: Any) -> tuple[Any, Any]:
+    return (lambda: make(False)), (lambda: make(True))
+
+
+BUGS: list[tuple[str, Any, str]] = [
+    ("clip_misplaced", setup_clip_after_step, "error"),
+    ("clip_misplaced", setup_clip_exhausted, "error"),
+    ("clip_misplaced", setup_clip_before_unscale, "error"),
+    ("gradient_discarded", setup_zero_grad_per_micro_batch, "error"),
+    ("stale_gradient", setup_hand_written_without_zero_grad, "error"),
+]
+
+# (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES
+CASES: list[tuple[str, Any, Any, str]] = [
+    (kind, *_pair(make), severity) for kind, make, severity in BUGS + HELD_OUT
+]
