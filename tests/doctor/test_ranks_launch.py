@@ -67,7 +67,7 @@ def test_the_guides_command_prints_one_table_and_exits_with_the_doctors_status(
     clean = _isotrain([w.replace("ddp_example", "ddp_fixed") for w in argv], tmp_path)
     assert (clean.returncode, clean.stderr) == (0, STARTING)
     assert clean.stdout.startswith("SEVERITY KIND") and clean.stdout.count("SEVERITY") == 1
-    assert "\n0 error(s), 0 warning(s), 3 info" in clean.stdout
+    assert "\n0 error(s), 0 warning(s), 4 info" in clean.stdout
 
 
 @pytest.mark.parametrize(

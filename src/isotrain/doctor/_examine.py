@@ -159,6 +159,7 @@ def examine(
     task: str | None = None,
     samples_interact: bool = False,
     loss_falls: bool | None = None,
+    total_steps: int | None = None,
     rank_timeout: float = 120.0,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
@@ -183,7 +184,8 @@ def examine(
     Declarations for setups that are right but unusual: `samples_interact=True` when the
     samples along dim 0 are meant to affect each other (a graph's nodes, a set); `loss_falls
     =False` when the loss is not meant to fall (adversarial; the default judges it unless
-    there are several optimizers or task="gan").
+    there are several optimizers or task="gan"). `total_steps`: the optimizer steps of your
+    whole run, to judge the learning-rate schedule over it (else one epoch of a DataLoader).
 
     Under a process group, call it on every rank: the ranks are compared too (replicas,
     gradients, data, collectives), each exchange waiting at most `rank_timeout` seconds.
@@ -195,6 +197,8 @@ def examine(
     optimizers = optimizers_in(optimizer)
     if task not in _TASKS:
         raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
@@ -206,7 +210,7 @@ def examine(
     ctx = Context(
         model, optimizer, optimizers, items, step or plain_step(loss_of(items, loss_fn)),
         eval_fn, task, step is None, rng, source=batches, forward=forward,
-        samples_interact=samples_interact, loss_falls=loss_falls,
+        samples_interact=samples_interact, loss_falls=loss_falls, total_steps=total_steps,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
     try:

@@ -72,6 +72,7 @@ class Context:
     source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     ranks: Any = None  # the doctor's link between ranks (a ranks.link.Ranks) under a process group
     forward: Callable[[nn.Module, Any], Any] | None = None  # the user's: how to call the model
+    total_steps: int | None = None  # the user's declaration: optimizer steps in the whole run
     snapshot: Snapshot = field(init=False)
     step_state: StepState = field(init=False)
     settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began

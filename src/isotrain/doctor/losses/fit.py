@@ -112,7 +112,7 @@ def check_overfit(ctx: Context) -> list[Finding]:
             "loss_falls=True to check anyway"
         )
     mine, moved = _losses(ctx, 1.0)
-    if _fell(mine):
+    if moved and _fell(mine):  # weights that never move learn nothing, whatever noise says
         return []
     spread = _rng_spread(ctx, mine[0])
     if moved and spread > _NOISY:  # learning, seen through noise: the loss cannot tell
@@ -120,13 +120,15 @@ def check_overfit(ctx: Context) -> list[Finding]:
             f"the loss moves {spread:.0%} with the random numbers the step draws at the same "
             "weights (new noise or timesteps each call): one batch cannot be memorised"
         )
-    boosted, _ = _losses(ctx, BOOST)
+    boosted, boosted_moved = _losses(ctx, BOOST)
     seen = (
         f"loss on one repeated batch went {mine[0]:.4g} -> {min(mine[-3:]):.4g} in "
         f"{OVERFIT_STEPS} steps at your learning rate, {boosted[0]:.4g} -> "
         f"{min(boosted[-3:]):.4g} at {BOOST:g}x (at least the schedule's peak)"
     )
-    if _fell(boosted):
+    if not (moved or boosted_moved):
+        seen += "; no parameter moved in any of those steps"
+    if boosted_moved and _fell(boosted):
         return [Finding(
             "cannot_overfit", "info", "your step",
             seen + ": the model learns; your rate is gentle for memorising one batch",

@@ -1,16 +1,20 @@
 """State across steps: what the step or the evaluation leaves changed for the steps after
 it: modes, grad mode, autocast, global flags and RNG (leaks), graphs kept alive (graph), the
-learning-rate schedule (schedule).
+learning-rate schedule over the run (schedule), EMA shadows (ema), the sampler's epoch
+(sampler).
 
 Kinds: `mode_leak`, `grad_mode_leak`, `autocast_leak`, `global_state_leak`,
-`eval_in_train_mode`, `buffer_write_in_eval`, `rng_leak`, `graph_retained`, `lr_collapse`.
+`eval_in_train_mode`, `buffer_write_in_eval`, `rng_leak`, `graph_retained`, `lr_collapse`,
+`ema_off_decay`, `ema_before_step`, `sampler_epoch`.
 """
 
 from isotrain.doctor.ground.kinds import Check
+from isotrain.doctor.state.ema import EMA
 from isotrain.doctor.state.graph import GRAPH_RETAINED
 from isotrain.doctor.state.leaks import LEAKS, RNG_LEAK
+from isotrain.doctor.state.sampler import SAMPLER_EPOCH
 from isotrain.doctor.state.schedule import LR_COLLAPSE
 
 __all__ = ["CHECKS"]
 
-CHECKS: tuple[Check, ...] = (LEAKS, RNG_LEAK, GRAPH_RETAINED, LR_COLLAPSE)
+CHECKS: tuple[Check, ...] = (LEAKS, RNG_LEAK, GRAPH_RETAINED, LR_COLLAPSE, EMA, SAMPLER_EPOCH)
