@@ -301,6 +301,16 @@ def _classifier() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
+def _classify(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+    """The plain classification step several setups share: zero_grad, loss, backward, step."""
+    x, y = batch
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def _labelled(n: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(6, 8), torch.randint(0, 3, (6,))) for _ in range(n)]
 
@@ -371,11 +381,7 @@ def real_ema_loop() -> dict[str, Any]:
     ema = EMA(model)
 
     def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        loss = _classify(model, opt, batch)
         ema.update(model)
         return loss
 
@@ -401,15 +407,7 @@ def real_lora_finetune() -> dict[str, Any]:
     model = nn.Sequential(LoRALinear(nn.Linear(8, 16)), nn.ReLU(), LoRALinear(nn.Linear(16, 3)))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-4)
 
-    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": _classify}
 
 
 @_seeded
@@ -429,11 +427,7 @@ def real_warmup_cosine() -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
     def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        loss = _classify(model, opt, batch)
         sched.step()
         return loss
 
@@ -507,11 +501,7 @@ def real_long_warmup() -> dict[str, Any]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 2000))
 
     def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
+        loss = _classify(model, opt, batch)
         sched.step()
         return loss
 
@@ -560,15 +550,7 @@ def real_compiled_model() -> dict[str, Any]:
     model = torch.compile(_classifier(), backend="eager")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
-        x, y = batch
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
+    return {"model": model, "optimizer": opt, "batches": _labelled(), "step": _classify}
 
 
 @_seeded
