@@ -201,7 +201,7 @@ def run_isotrain(recipe: Recipe, seed: int, work: Path) -> dict:
         "block_ms": [1e3 * tokens / r["tokens_per_s"] for r in train],
         "own_val": summary["val_loss"],
         "own_eval_batches": config["eval_batches"],
-        "skipped": summary.get("skipped_total", 0),
+        "skipped": summary["skipped_steps"],
         "config": config,
         "model": load_model(str(out)),
     }
@@ -350,6 +350,13 @@ def recipe_checks(recipe: Recipe, runs: dict[str, list]) -> dict[str, dict[str, 
     }
 
 
+def own_eval(run: dict, recipe: Recipe, summary: dict) -> str:
+    """What isotrain's own evaluation covered: the whole split, or a number of batches."""
+    if run["own_eval_batches"] * recipe.batch_size >= summary["eval_windows"]:
+        return "every window of the split: exact"
+    return f"{run['own_eval_batches']} batches"
+
+
 def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, quick: bool) -> str:
     """The result file: the comparison table, each run, and what the numbers can and cannot say."""
     nano, iso = runs["nanogpt"], runs["isotrain"]
@@ -378,7 +385,7 @@ def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, q
         f"{fmt_side(ms[0], 1)} | {fmt_side(ms[1], 1)} | {fmt_ratio(summary['time_ratio'])} "
         "(paired by round, t) |",
         f"| its own evaluation | {fmt_side(own[0], 4)} ({recipe.own_eval_iters} random batches) "
-        f"| {fmt_side(own[1], 4)} ({iso[0]['own_eval_batches']} fixed batches) | |",
+        f"| {fmt_side(own[1], 4)} ({own_eval(iso[0], recipe, summary)}) | |",
         "",
         f"One evaluator: isotrain's GPT (nanoGPT's ckpt.pt mapped through GPT-2's layout) on all "
         f"{summary['eval_windows']} non-overlapping {recipe.block_size}-byte windows of the "
@@ -421,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seeds", type=int, default=None, help="rounds, one seed each (3; quick 2)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: recipe's)")
+    p.add_argument(
+        "--keep", type=Path, default=None, help="keep the runs here (default: a temp dir)"
+    )
     args = p.parse_args(argv)
     recipe = QUICK if args.quick else Recipe()
     if args.steps:
@@ -430,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     checkout = Path(args.nanogpt or STANDIN).expanduser().resolve()
     if not (checkout / "train.py").is_file():
         raise SystemExit(f"--nanogpt {checkout}: no train.py; pass a nanoGPT checkout")
+    if args.keep and args.keep.exists() and any(args.keep.iterdir()):
+        raise SystemExit(f"--keep {args.keep}: not empty (isotrain would resume its runs)")
     seeds = [1337 + i for i in range(args.seeds or (2 if args.quick else 3))]
     out = out_dir(args)
     load_before = os.getloadavg()[0]
@@ -437,7 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     try:
         with tempfile.TemporaryDirectory(prefix="vs-nanogpt-") as tmp:
-            runs = rounds(checkout, recipe, seeds, Path(tmp))
+            work = args.keep or Path(tmp)
+            work.mkdir(parents=True, exist_ok=True)
+            runs = rounds(checkout, recipe, seeds, work)
         meta = run_meta("bench_vs_nanogpt.py", argv, load_before)
     finally:
         torch.set_num_threads(old)
