@@ -253,6 +253,10 @@ EXPECTED = {
         "| weights | val loss (nats/byte) | vs fp32 | unigram baseline | wall s |",
         {"finished, finite"},
     ),
+    "vs_nanogpt": (
+        "|  | nanoGPT train.py | isotrain train | isotrain / nanoGPT [95% CI] |",
+        {"finished every step", "same recipe", "one evaluator agrees with each run's own"},
+    ),
 }
 
 
@@ -345,3 +349,88 @@ def test_quick_run_gpu_dry_run_and_summary(quick_run) -> None:
     assert (out / "gpu_mfu_dry_run.md").exists() and (out / "summary.png").exists()
     assert json.loads((out / "machine.json").read_text())["cpu_kind"]
     assert quick_run["results_untouched"]  # a smoke run never writes into benchmarks/results
+
+
+# ------------------------------------------------------------------- against nanoGPT
+@pytest.fixture(scope="module")
+def vs_nanogpt() -> Iterator[ModuleType]:
+    """benchmarks/bench_vs_nanogpt.py as a module (it imports torch and isotrain)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("bench_vs_nanogpt")
+    finally:
+        sys.path.remove(str(BENCH))
+        for name in ("bench_vs_nanogpt", "common", *HELPERS):
+            sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(("df", "q"), [(1, 12.7062), (2, 4.3027), (4, 2.7764), (30, 2.0423)])
+def test_vs_nanogpt_t_quantile_matches_the_table(vs_nanogpt, df: int, q: float) -> None:
+    assert vs_nanogpt.t_quantile(0.975, df) == pytest.approx(q, abs=2e-4)
+
+
+def test_vs_nanogpt_intervals_pair_rounds_and_cover_the_ratio(vs_nanogpt) -> None:
+    exact = vs_nanogpt.paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 3.0])
+    assert exact["ratio"] == pytest.approx(2.0) and exact["lo"] == pytest.approx(exact["hi"])
+    noisy = vs_nanogpt.paired_ratio([2.2, 3.6, 6.3], [1.0, 2.0, 3.0])
+    assert noisy["lo"] < noisy["ratio"] < noisy["hi"]
+    w = vs_nanogpt.welch_ratio([1.62, 1.64, 1.63], [1.60, 1.61, 1.59])
+    assert w["ratio"] == pytest.approx(1.63 / 1.60, rel=1e-4)
+    assert 1.0 < w["lo"] < w["ratio"] < w["hi"]  # resolved: the seeds' spread is small
+
+
+def test_vs_nanogpt_blocks_leave_out_the_first(vs_nanogpt) -> None:
+    assert vs_nanogpt.blocks([100.0, 1, 1, 2, 2, 3, 3], 2) == [1.5, 2.5, 3.0]
+
+
+def test_vs_nanogpt_loads_nanogpt_names_and_layouts(vs_nanogpt) -> None:
+    """nanoGPT's tensors are nn.Linear (out, in), named transformer.h.i.attn.c_attn, ..."""
+    import torch
+
+    recipe = vs_nanogpt.QUICK
+    torch.manual_seed(0)
+    ours = vs_nanogpt.GPT(vs_nanogpt.model_config(recipe))
+    names = [("ln1", "ln_1"), ("ln2", "ln_2"), ("attn.qkv", "attn.c_attn")]
+    names += [("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")]
+    state = {}
+    for k, v in ours.state_dict().items():
+        k = k.replace("blocks.", "h.")
+        for a, b in names:
+            k = k.replace(f".{a}.", f".{b}.")
+        state[k if k == "lm_head.weight" else f"transformer.{k}"] = v.clone()
+    state["transformer.h.0.attn.bias"] = torch.ones(1)  # nanoGPT's causal mask without flash
+    loaded = vs_nanogpt.nanogpt_model(state, recipe)
+    x = torch.randint(0, 256, (2, recipe.block_size))
+    assert torch.equal(loaded(x), ours(x))
+
+
+def test_vs_nanogpt_exact_loss_counts_every_window_once(vs_nanogpt) -> None:
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    recipe = vs_nanogpt.QUICK
+    model = vs_nanogpt.GPT(vs_nanogpt.model_config(recipe))
+    T = recipe.block_size
+    val = np.random.default_rng(0).integers(0, 256, size=7 * T + 5).astype(np.uint16)
+    tokens = torch.from_numpy(val[: 7 * T + 1].astype(np.int64))
+    with torch.no_grad():
+        logits = model(tokens[:-1].view(7, T))
+        ref = F.cross_entropy(logits.flatten(0, 1), tokens[1:]).item()
+    assert vs_nanogpt.exact_val_loss(model, val, T, batch=3) == pytest.approx(ref, rel=1e-5)
+
+
+def test_vs_nanogpt_seeds_a_copy_and_refuses_another_script(
+    vs_nanogpt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code = vs_nanogpt.patched_copy(vs_nanogpt.STANDIN, tmp_path / "copy", 7)
+    text = (code / "train.py").read_text()
+    assert "torch.manual_seed(7)" in text and vs_nanogpt.SEED_LINE not in text
+    assert vs_nanogpt.SEED_LINE in (vs_nanogpt.STANDIN / "train.py").read_text()  # untouched
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "train.py").write_text("print('not nanoGPT')\n")
+    with pytest.raises(SystemExit, match="no line"):
+        vs_nanogpt.patched_copy(tmp_path / "other", tmp_path / "copy2", 7)
+    monkeypatch.delenv("NANOGPT", raising=False)
+    with pytest.raises(SystemExit, match="--nanogpt PATH"):
+        vs_nanogpt.main(["--out", str(tmp_path / "out")])  # a full run needs a real checkout

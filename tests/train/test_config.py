@@ -50,14 +50,14 @@ PRESET_VALUES = {
         **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 128},
         **{"model.dropout": 0.0, "data.batch_size": 16, "data.max_bytes": 4_000_000},
         **{"optim.lr": 4e-3, "optim.min_lr": 2e-4, "optim.warmup_steps": 50},
-        **{"steps": 1000, "eval_every": 200, "eval_batches": 8, "log_every": 10},
+        **{"steps": 1000, "eval_every": 500, "eval_batches": 256, "log_every": 10},
         **{"sample_tokens": 200, "progress": True},
     },
     "small": {
         **{"model.n_layer": 6, "model.n_head": 6, "model.d_model": 384, "model.block_size": 256},
         **{"model.dropout": 0.1, "data.batch_size": 16, "data.max_bytes": 4_000_000},
         **{"optim.lr": 1e-3, "optim.min_lr": 1e-4, "optim.warmup_steps": 100},
-        **{"steps": 2000, "eval_every": 250, "eval_batches": 8, "log_every": 10},
+        **{"steps": 2000, "eval_every": 250, "eval_batches": 256, "log_every": 10},
         **{"sample_tokens": 200, "progress": True},
     },
     "smoke": {

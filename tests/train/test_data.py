@@ -100,6 +100,27 @@ def test_ranks_draw_from_disjoint_shards() -> None:
     assert int(y0.max()) < 5000 <= int(x1.min())
 
 
+def test_evaluation_windows_cover_the_split_once_where_they_fit() -> None:
+    tokens = np.arange(1003, dtype=np.uint16)  # 125 windows of 8 + 1: the last one is partial
+    batches = list(D.eval_windows(tokens, batch_size=16, block_size=8, max_batches=100))
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    assert [len(b[0]) for b in batches] == [16] * 7 + [13]  # 125 windows, the last batch short
+    assert torch.equal(x.flatten(), torch.arange(1000))  # every input token once, in order
+    assert torch.equal(y.flatten(), torch.arange(1, 1001))  # targets: inputs shifted by one
+
+
+def test_evaluation_windows_spread_evenly_past_the_budget_and_per_rank() -> None:
+    tokens = np.arange(100_001, dtype=np.uint32)  # 12,500 windows of 8 + 1
+    (x, _y), (x2, _y2) = D.eval_windows(tokens, batch_size=4, block_size=8, max_batches=2)
+    starts = torch.cat([x, x2])[:, 0].tolist()
+    assert starts == [i * 12_500 // 8 * 8 for i in range(8)]  # windows 0, 1562, 3125, ...
+    kw = dict(batch_size=4, block_size=8, max_batches=1, world_size=2)
+    ((_, t0),) = D.eval_windows(tokens, rank=0, **kw)
+    ((r1, _),) = D.eval_windows(tokens, rank=1, **kw)
+    assert int(t0.max()) <= 50_000 <= int(r1.min())  # each rank in its own shard
+    assert int(r1[0, 0]) == 50_000
+
+
 def test_unigram_baseline_matches_a_direct_computation() -> None:
     c = D.Corpus(np.array([0, 0, 1, 1], np.uint8), np.array([0, 1], np.uint8), "t", 4)
     p = np.array([3, 3, 1, 1]) / 8  # add-one counts

@@ -220,10 +220,12 @@ class TrainConfig:
     """Optimizer steps to train for."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
-    eval_every: int = 200
+    eval_every: int = 500
     """Evaluate on the validation split every N steps (and at the end)."""
-    eval_batches: int = 8
-    """Validation batches per evaluation (a fixed set, the same every time)."""
+    eval_batches: int = 256
+    """Most validation batches per evaluation: every non-overlapping window of the split once
+    where they fit (the exact loss; ~210 batches for the default corpus), else this many
+    batches of evenly spread windows. The same windows every time, for every seed."""
     log_every: int = 10
     """Write a metrics record and refresh the display every N steps."""
     sample_tokens: int = 200

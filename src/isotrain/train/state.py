@@ -85,6 +85,21 @@ class Batches:
             n = y.numel()
         return x.to(self.device), y.to(self.device), n
 
+    def val(self, max_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The evaluation batches (NOTE [evaluation windows]); variable-length mode: the first
+        `max_batches` validation batches of whole documents."""
+        if self.buckets is not None:
+            return [self.get("val", i)[:2] for i in range(max_batches)]
+        windows = data_mod.eval_windows(
+            self.corpus.val,
+            batch_size=self.batch_size,
+            block_size=self.block_size,
+            max_batches=max_batches,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        return [(x.to(self.device), y.to(self.device)) for x, y in windows]
+
 
 class Updater(Protocol):
     """The update rule `train_step` calls: backward, a (guarded) step, LR factor, recovery.

@@ -66,11 +66,13 @@ def train_step(run: Run) -> Any:
 
 
 def evaluate(run: Run) -> float:
-    """Mean validation loss over a fixed set of batches, averaged over ranks."""
+    """Mean validation loss over the evaluation windows (the whole split where it fits in
+    --eval-batches), each batch weighted by its windows, averaged over ranks."""
     total = torch.zeros((), device=run.dist.device)
     model: nn.Module = run.train_model
+    batches = run.batches.val(run.cfg.eval_batches)
     with eval_mode(model), rng_isolated():
-        for i in range(run.cfg.eval_batches):
-            x, y, _ = run.batches.get("val", i)
-            total += forward(run, x, y).float()
-    return float(all_reduce_mean(total / run.cfg.eval_batches))  # sync: evaluation result
+        for x, y in batches:
+            total += forward(run, x, y).float() * len(x)
+    windows = sum(len(x) for x, _ in batches)
+    return float(all_reduce_mean(total / windows))  # sync: evaluation result
