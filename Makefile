@@ -7,7 +7,10 @@
 # act on RUN (default runs/default).
 # `make train ARGS="--steps 2000"` passes flags through to `isotrain train`.
 # `make lint`: ruff (style) and mypy (strict types on src/isotrain).
+# `make test` runs one pytest-xdist worker per core (TEST_WORKERS=1 for one process), each
+# test file whole in one worker, the cores shared out among them (tests/conftest.py).
 TORCH ?= torch==2.13.0
+TEST_WORKERS ?= auto
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -48,7 +51,7 @@ export: $(RUN_STAMP)
 	$(ISOTRAIN) export $(RUN)
 
 test: $(DEV_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples tools

@@ -28,6 +28,19 @@ from isotrain.autograd import CPU_KIND_ENV, CPU_KINDS
 from isotrain.contexts import StateAudit, rng_isolated
 
 
+def _share_the_cores() -> None:
+    """Under pytest-xdist (`make test` runs one worker per core) each worker and the processes
+    it starts get their share of the cores, so workers never oversubscribe them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+        torch.set_num_threads(share)
+
+
+_share_the_cores()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """`--precision auto` caches its probe: keep the suite's probes out of the user's home."""
