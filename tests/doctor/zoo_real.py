@@ -338,10 +338,30 @@ def real_gradscaler_loop() -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "batches": _labelled(), "step": step}
 
 
+class SineLSTM(nn.Module):
+    """pytorch/examples time_sequence_prediction: two LSTMCells unrolled over the sequence."""
+
+    def __init__(self, hidden: int = 51) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.lstm1, self.lstm2 = nn.LSTMCell(1, hidden), nn.LSTMCell(hidden, hidden)
+        self.linear = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = c1 = h2 = c2 = torch.zeros(x.shape[0], self.hidden)
+        outputs = []
+        for x_t in x.split(1, dim=1):
+            h1, c1 = self.lstm1(x_t, (h1, c1))
+            h2, c2 = self.lstm2(h1, (h2, c2))
+            outputs.append(self.linear(h2))
+        return torch.cat(outputs, dim=1)
+
+
 @_seeded
 def real_lbfgs_loop() -> dict[str, Any]:
-    """pytorch/examples time_sequence_prediction: LBFGS with a closure over a sequence model."""
-    model = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 10))
+    """time_sequence_prediction's train loop: LBFGS (up to 20 closure evaluations a step) over
+    an LSTMCell model unrolled over 50 steps of sine waves."""
+    model = SineLSTM()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.8)
 
     def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
@@ -355,8 +375,9 @@ def real_lbfgs_loop() -> dict[str, Any]:
 
         return opt.step(closure)
 
-    batches = [(torch.randn(8, 10), torch.randn(8, 10)) for _ in range(2)]
-    return {"model": model, "optimizer": opt, "batches": batches, "step": step}
+    waves = torch.sin(torch.arange(51.0)[None] / 5 + torch.rand(8, 1) * 6)
+    return {"model": model, "optimizer": opt, "batches": [(waves[:, :-1], waves[:, 1:])] * 2,
+            "step": step}  # fmt: skip
 
 
 class EMA:

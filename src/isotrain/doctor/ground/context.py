@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +125,9 @@ class Context:
             raise CannotRun(reason)
 
     def run_step(self, model: nn.Module, opt: Any, batch: Any) -> Any:
-        """The user's step."""
-        return self.step(model, opt, batch)
+        """The user's step; an LBFGS step with one closure iteration (NOTE [one iteration])."""
+        with _one_iteration(self.optimizers):
+            return self.step(model, opt, batch)
 
     # -- how the model is called: NOTE [the user's call] in ground.inputs -------------------
     def call(self, batch: Any) -> ModelCall:
@@ -228,6 +229,25 @@ def _main_output(out: Any) -> torch.Tensor | None:
     """`.logits`, or the first floating tensor of a (nested) output."""
     logits = out.get("logits") if isinstance(out, Mapping) else getattr(out, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else first_tensor(out)
+
+
+# NOTE [one iteration]
+# An LBFGS step evaluates the closure up to max_iter (20) times, and the doctor runs the step
+# dozens of times: minutes on a small sequence model. Every evaluation runs the same code, so
+# what a check reads of one (ops, syncs, leaks, graphs, the update) holds for all; the doctor's
+# steps run one iteration each, and the groups' settings are put back after every step.
+@contextlib.contextmanager
+def _one_iteration(optimizers: Sequence[torch.optim.Optimizer]) -> Iterator[None]:
+    """LBFGS groups at max_iter=1 (and max_eval 2) inside the block, their settings after it."""
+    groups = [g for o in optimizers if isinstance(o, torch.optim.LBFGS) for g in o.param_groups]
+    saved = [(g["max_iter"], g["max_eval"]) for g in groups]
+    for g in groups:
+        g["max_iter"], g["max_eval"] = 1, 2
+    try:
+        yield
+    finally:
+        for g, (iters, evals) in zip(groups, saved, strict=True):
+            g["max_iter"], g["max_eval"] = iters, evals
 
 
 def inner(model: nn.Module) -> nn.Module:
