@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tests.doctor import zoo, zoo_ranks
 from tests.guides import DOCS, fenced, section
-from tests.worlds import ENV, free_port, join_env
+from tests.worlds import join_env, spawn_world
 
 from isotrain.doctor import Monitor, examine
 from isotrain.doctor.ranks import link as ranks_mod
@@ -209,14 +209,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("ranks")
-    with pytest.MonkeyPatch.context() as mpatch:
-        for v in ENV:
-            mpatch.delenv(v, raising=False)
-        mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_world(_worker, tmp_path_factory.mktemp("ranks"), WORLD)
 
 
 def _loud(found: list[dict[str, str]]) -> list[dict[str, str]]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 from tests.doctor import zoo_parallel
-from tests.worlds import ENV, free_port, join_env
+from tests.worlds import join_env, spawn_world
 
 from isotrain.doctor import examine
 
@@ -51,14 +51,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    out = tmp_path_factory.mktemp("parallel")
-    with pytest.MonkeyPatch.context() as mpatch:
-        for v in ENV:
-            mpatch.delenv(v, raising=False)
-        mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return spawn_world(_worker, tmp_path_factory.mktemp("parallel"), WORLD)
 
 
 def _loud(found: list[dict[str, str]]) -> list[tuple[str, str]]:

@@ -192,24 +192,15 @@ def examine(
 
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _refuse_bad_arguments(model, task, total_steps, step, epoch)
     optimizers = optimizers_in(optimizer)
-    if task not in _TASKS:
-        raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
-    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
-        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
     families, kinds = _selected(checks)
     started = time.perf_counter()
     rng = capture_rng(all_cuda_devices(initialized_only=True))
     items = _batches(batches, rng)
-    if step is not None and epoch is not None:
-        raise ValueError("pass step=your_step or epoch=your_epoch, not both")
-    if epoch is not None:
-        step = epoch_step(epoch, batches)
     ctx = Context(
-        model, optimizer, optimizers, items, step or plain_step(loss_of(items, loss_fn)),
-        eval_fn, task, step is None, rng, source=batches, forward=forward,
+        model, optimizer, optimizers, items, _driver(items, batches, step, epoch, loss_fn),
+        eval_fn, task, step is None and epoch is None, rng, source=batches, forward=forward,
         samples_interact=samples_interact, loss_falls=loss_falls, total_steps=total_steps,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
     )  # fmt: skip
@@ -219,6 +210,32 @@ def examine(
         ctx.reset()
     examined = sorted(kinds - {"doctor_error"}, key=list(KINDS).index)
     return Diagnosis(found, examined, time.perf_counter() - started)
+
+
+def _refuse_bad_arguments(
+    model: Any, task: str | None, total_steps: Any, step: Any, epoch: Any
+) -> None:
+    """One line for an argument examine cannot take, before anything runs."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if task not in _TASKS:
+        raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
+    if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+    if step is not None and epoch is not None:
+        raise ValueError("pass step=your_step or epoch=your_epoch, not both")
+
+
+def _driver(
+    items: list[Any], batches: Any, step: StepFn | None, epoch: Any, loss_fn: Any
+) -> StepFn:
+    """What the checks call as the user's step: their step, their epoch over one batch, or a
+    plain step around their loss_fn (or a Hugging Face model's own .loss)."""
+    if step is not None:
+        return step
+    if epoch is not None:
+        return epoch_step(epoch, batches)
+    return plain_step(loss_of(items, loss_fn))
 
 
 def _run_all(
