@@ -208,3 +208,35 @@ def test_a_distributions_argument_check_is_named_with_its_switch() -> None:
         "pass validate_args=False to the distribution (or call torch.distributions.Distribution."
         "set_default_validate_args(False) once) when its inputs are known to be valid"
     ] * 2
+
+
+def test_eval_fn_gets_the_users_loader_and_its_failure_is_information() -> None:
+    """mnist's test(): `len(test_loader.dataset)`; and an evaluation that fails on the
+    examined batches is not checked, never a doctor_error."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    setup = _classifier(0.5)
+    loader = DataLoader(TensorDataset(torch.randn(12, 8), torch.randint(0, 3, (12,))), 6)
+    setup["batches"] = loader
+
+    def test(model: nn.Module, test_loader: Any) -> float:
+        model.eval()
+        with torch.no_grad():
+            total = sum(
+                float(F.cross_entropy(model(x), y, reduction="sum")) for x, y in test_loader
+            )
+        return total / len(test_loader.dataset)
+
+    setup["eval_fn"] = test
+    d = examine(**setup, checks=["mode_leak", "rng_leak"])
+    assert d.of("doctor_error") == [] and [f.kind for f in d.findings] == ["mode_leak"], d
+
+    def broken(model: nn.Module, batches: Any) -> None:
+        raise KeyError("images")
+
+    setup["eval_fn"] = broken
+    (f,) = examine(**setup, checks=["rng_leak"]).findings
+    assert (f.kind, f.severity) == ("rng_leak", "info")
+    assert (
+        f.evidence == "not checked: your eval_fn raised KeyError ('images') on the examined batches"
+    )

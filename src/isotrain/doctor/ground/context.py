@@ -19,7 +19,7 @@ from torch import nn
 from isotrain._shared import restore_rng
 from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor.ground.globals import StepState
-from isotrain.doctor.ground.inputs import ModelCall, Stop
+from isotrain.doctor.ground.inputs import Loader, ModelCall, Stop
 from isotrain.doctor.ground.snapshot import Snapshot
 
 __all__ = [
@@ -123,6 +123,19 @@ class Context:
             reason = reasons[self.ranks.rank] or reason
         if reason:
             raise CannotRun(reason)
+
+    def run_eval(self, model: nn.Module) -> Any:
+        """The user's eval_fn on the examined batches, handed over as their own loader (its
+        dataset, sampler, batch_size); its failure here is CannotRun, with its first line."""
+        if self.eval_fn is None:
+            raise CannotRun("no eval_fn given: pass eval_fn=your_validation(model, batches)")
+        try:
+            return self.eval_fn(model, Loader(list(self.batches), self.source))
+        except Exception as e:
+            first = (str(e).splitlines() or [""])[0][:120]
+            raise CannotRun(
+                f"your eval_fn raised {type(e).__name__} ({first}) on the examined batches"
+            ) from e
 
     def run_step(self, model: nn.Module, opt: Any, batch: Any) -> Any:
         """The user's step; an LBFGS step with one closure iteration (NOTE [one iteration])."""

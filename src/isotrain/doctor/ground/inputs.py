@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelCall", "Stop", "main_path", "replaced"]
+__all__ = ["Loader", "ModelCall", "Stop", "main_path", "replaced"]
 
 Path = tuple[Any, ...]
 _TARGETS = ("labels", "label", "targets", "target", "y")
@@ -110,3 +110,17 @@ def replaced(obj: Any, path: Path, new: Any) -> Any:
     if isinstance(obj, list):
         return items
     return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+
+
+class Loader(list):  # type: ignore[type-arg]
+    """Batches handed to the user's epoch function or eval_fn, with the attributes of the
+    loader they passed (dataset, sampler, batch_size) for code that reads them."""
+
+    def __init__(self, batches: list[Any], source: Any) -> None:
+        super().__init__(batches)
+        self._source = source
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or self._source is None:
+            raise AttributeError(name)
+        return getattr(self._source, name)

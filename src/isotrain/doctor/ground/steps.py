@@ -13,6 +13,7 @@ from torch import nn
 
 from isotrain._torch_private import optimizer_set_up
 from isotrain.doctor.ground.context import StepFn
+from isotrain.doctor.ground.inputs import Loader
 
 __all__ = ["epoch_step", "loss_of", "optimizers_in", "plain_step"]
 
@@ -91,26 +92,12 @@ def optimizers_in(optimizer: Any) -> list[torch.optim.Optimizer]:
     return found
 
 
-class _Loader(list):  # type: ignore[type-arg]
-    """The batches one call of the user's epoch function gets, with the attributes of the
-    loader they passed (dataset, sampler, batch_size) for an epoch that reads them."""
-
-    def __init__(self, batches: list[Any], source: Any) -> None:
-        super().__init__(batches)
-        self._source = source
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or self._source is None:
-            raise AttributeError(name)
-        return getattr(self._source, name)
-
-
 def epoch_step(epoch: Callable[[nn.Module, Any, Any], Any], source: Any) -> StepFn:
     """A step that runs the user's `epoch(model, optimizer, loader)` over one batch: their own
     model.train(), zero_grad placement and per-batch schedule, as their loop runs them."""
 
     def step(model: nn.Module, optimizer: Any, batch: Any) -> Any:
-        return epoch(model, optimizer, _Loader([batch], source))
+        return epoch(model, optimizer, Loader([batch], source))
 
     step.__wrapped__ = epoch  # type: ignore[attr-defined]  # StepState reads the user's globals
     return step

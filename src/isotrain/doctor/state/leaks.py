@@ -179,7 +179,7 @@ def check_leaks(ctx: Context) -> list[Finding]:
     model, _ = ctx.fresh()
     audit = StateAudit(model, warn=False)
     with _mode_spy(model) as spied, audit:
-        ctx.eval_fn(model, ctx.batches)
+        ctx.run_eval(model)
         left = {name: m.training for name, m in model.named_modules()}
     audit.restore()
     out += [_judged(ctx, f, left) for f in _leak_findings(audit.differences, "eval_fn")]
@@ -226,7 +226,7 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
     restore_rng(after_first)
     audit = StateAudit(model, warn=False, check_rng=False)
     with audit:
-        ctx.eval_fn(model, ctx.batches)
+        ctx.run_eval(model)
     audit.restore()  # flags, buffers and grad mode back: only the RNG may differ now
     consumed = capture_rng()
     ctx.run_step(model, opt, ctx.batches[1])
