@@ -245,10 +245,9 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
                     f"{func.overloadpacket.__name__} output reaches {big:.3g} in {t.dtype}, "
                     f"within 64x of its largest finite value {top:.3g}",
                 )
-    if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
-        floats = _dense(args)
-        if not any(t.is_floating_point() and bad_values(t) for t in floats):
-            _made_nonfinite(watch, func, args)
+    made = watch.nonfinite is None and any(map(_has_bad, outs))
+    if made and not any(map(_has_bad, _dense(args))):  # else carried from its inputs
+        _made_nonfinite(watch, func, args)
 
 
 def _made_nonfinite(watch: OpWatch, func: Any, args: Any) -> None:
@@ -273,8 +272,18 @@ def _made_nonfinite(watch: OpWatch, func: Any, args: Any) -> None:
 def _dense(obj: Any) -> list[torch.Tensor]:
     """The strided tensors in `obj` (a DTensor's local shard): a sparse or nested tensor's
     values are the user's ops' business, and comparing them is an op their layout may lack."""
-    found = (local(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+    leaves = (obj,) if isinstance(obj, torch.Tensor) else tree_leaves(obj)  # (most outputs)
+    found = (local(t) for t in leaves if isinstance(t, torch.Tensor))
     return [t for t in found if t.layout == torch.strided and not t.is_nested]
+
+
+def _has_bad(t: torch.Tensor) -> bool:
+    """Whether `t` holds a NaN or +inf, in one reduction (its max is NaN or +inf then): every
+    op of the probe step asks, so this is the watch's hot path."""
+    if not t.is_floating_point() or not t.numel():
+        return False
+    top = float(t.detach().amax())  # sync: the doctor's measurement
+    return math.isnan(top) or top == math.inf
 
 
 def bad_values(t: torch.Tensor) -> int:
