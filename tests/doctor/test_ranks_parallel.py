@@ -22,7 +22,7 @@ from isotrain.doctor import examine
 
 WORLD = 2
 ACROSS = ["replica_divergence", "gradient_not_synchronized", "same_data_on_ranks",
-          "collective_mismatch"]  # fmt: skip
+          "gradient_scaled_by_world", "collective_mismatch", "data_split_across_ranks"]  # fmt: skip
 
 
 def _found(setup: dict[str, Any]) -> list[dict[str, str]]:

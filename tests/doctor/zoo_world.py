@@ -102,6 +102,25 @@ def summed_grads(*, divide: bool) -> Any:
     return step_summed
 
 
+def gathered_times_world(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Any:
+    """Correct: a loss over the whole world's outputs gathered without autograd (only this
+    rank's part carries a gradient), so it is multiplied by the world size to undo DDP's
+    average (the contrastive losses of Tevatron and OpenGait)."""
+    x, y = batch
+    world, rank = dist.get_world_size(), dist.get_rank()
+    opt.zero_grad(set_to_none=True)
+    out = model(x)
+    outs = [torch.zeros_like(out) for _ in range(world)]
+    labels = [torch.zeros_like(y) for _ in range(world)]
+    dist.all_gather(outs, out.detach())
+    dist.all_gather(labels, y)
+    outs[rank] = out
+    loss = F.cross_entropy(torch.cat(outs), torch.cat(labels))
+    (loss * world).backward()
+    opt.step()
+    return loss
+
+
 def automodel_seq_cls(*, fixed: bool) -> Any:
     """Held out (NVIDIA-NeMo/Automodel#3830): a per-rank mean loss multiplied by dp_size over
     two accumulation micro-batches; fixed: the plain mean over the micro-batches."""
@@ -137,6 +156,8 @@ CASES: list[tuple[str, Any, Any]] = [
      lambda: _ddp(zoo_ranks.step, _batches())),
     ("gradient_scaled_by_world", lambda: _ddp(summed_grads(divide=False), _batches()),
      lambda: _ddp(summed_grads(divide=True), _batches())),
+    ("gradient_scaled_by_world", lambda: _ddp(scaled_loss("mul"), _batches()),
+     lambda: _ddp(gathered_times_world, _batches())),
 ]  # fmt: skip
 
 # the held-out reports, rebuilt once after the checks were done (tests/doctor/ranks_reports.md)
