@@ -62,6 +62,29 @@ def whole_data_per_rank() -> dict[str, Any]:
     return split(lambda data: torch.utils.data.RandomSampler(data, generator=g))
 
 
+class RankBatches:
+    """Correct: a batch sampler of the user's own that deals out the batches of one shared
+    permutation, one in world_size to each rank (as accelerate's BatchSamplerShard does); the
+    DataLoader's own `sampler` is then an unused SequentialSampler."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        self.n, self.batch_size, self.epoch = n, batch_size, 0
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.epoch))
+        batches = order.split(self.batch_size)
+        yield from (b.tolist() for b in batches[dist.get_rank() :: dist.get_world_size()])
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size) // dist.get_world_size()
+
+
+def rank_batches() -> dict[str, Any]:
+    data = zoo_ranks.dataset()
+    loader = DataLoader(data, batch_sampler=RankBatches(len(data), 8))
+    return _ddp(zoo_ranks.step, loader)
+
+
 def long_live_seed(data: Any) -> DistributedSampler:
     """Held out (NVlabs/LongLive#71): the sampler's seed is the time multiplied by the rank."""
     return DistributedSampler(data, shuffle=True, seed=int(time.time()) * dist.get_rank())
@@ -147,7 +170,7 @@ def _batches() -> list[Any]:
 CASES: list[tuple[str, Any, Any]] = [
     ("data_split_across_ranks", lambda: split(seed_per_rank), split),
     ("data_split_across_ranks", lambda: split(replicas_per_node), split),
-    ("data_split_across_ranks", whole_data_per_rank, split),
+    ("data_split_across_ranks", whole_data_per_rank, rank_batches),
     ("data_split_across_ranks", lambda: split(lambda d: epoch_on_rank_0(d, every_rank=False)),
      lambda: split(lambda d: epoch_on_rank_0(d, every_rank=True))),
     ("gradient_scaled_by_world", lambda: _ddp(scaled_loss("mul"), _batches(), sgd=True),

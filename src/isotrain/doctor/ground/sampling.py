@@ -8,7 +8,7 @@ import itertools
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 __all__ = ["draw", "epoch_sampler", "index_sampler"]
 
@@ -24,13 +24,19 @@ def epoch_sampler(source: Any) -> Any:
     return None
 
 
-def index_sampler(source: Any) -> Any:
-    """The sampler that picks a DataLoader's sample indices (the batch sampler's own, if it
-    has one), else None: an IterableDataset has none."""
-    if not isinstance(source, DataLoader) or source.batch_sampler is None:
-        return None
-    inner = getattr(source.batch_sampler, "sampler", None)
-    return inner if inner is not None else source.sampler
+def index_sampler(source: Any) -> tuple[Any, bool]:
+    """What picks a DataLoader's sample indices and whether it yields batches of them: torch's
+    BatchSampler's own sampler, else a batch sampler of the user's (a bucketing or sharding
+    one: the DataLoader's `sampler` is then unused), else the sampler; (None, False) for an
+    IterableDataset or anything but a DataLoader."""
+    if not isinstance(source, DataLoader) or isinstance(source.dataset, IterableDataset):
+        return None, False
+    batches = source.batch_sampler
+    if batches is None:
+        return source.sampler, False
+    if type(batches) is BatchSampler:
+        return batches.sampler, False
+    return batches, True
 
 
 def draw(sampler: Any, limit: int) -> list[Any]:

@@ -49,9 +49,9 @@ def check_shards(ctx: Context) -> list[Finding]:
     ranks: Ranks | None = ctx.ranks
     if ranks is None:
         raise CannotRun("needs a process group of 2 or more ranks (torchrun --nproc-per-node N)")
-    sampler, why = _sampler(ctx.source)
+    (sampler, batched), why = _sampler(ctx.source)
     try:
-        mine: _Epoch | str = why or _epoch(ctx.source.dataset, sampler)
+        mine: _Epoch | str = why or _epoch(ctx.source.dataset, sampler, batched=batched)
     except CannotRun as e:
         mine = str(e)
     got = ranks.gather("each rank's epoch of samples", mine)
@@ -66,21 +66,21 @@ def check_shards(ctx: Context) -> list[Finding]:
     return _judge(epochs, ranks.world)
 
 
-def _sampler(source: Any) -> tuple[Any, str | None]:
-    """The sampler of `source` whose epoch can be drawn, or why there is none."""
-    sampler = index_sampler(source)
+def _sampler(source: Any) -> tuple[tuple[Any, bool], str | None]:
+    """What draws `source`'s indices (and whether in batches), or why nothing can be drawn."""
+    sampler, batched = index_sampler(source)
     if sampler is None:
-        return None, (
+        return (None, False), (
             "needs your DataLoader as batches= (a map-style dataset): a list of batches does "
             "not show how each rank's epoch is drawn"
         )
     try:
         n = len(source.dataset)
     except TypeError:
-        return None, "your DataLoader's dataset has no len()"
+        return (None, False), "your DataLoader's dataset has no len()"
     if n > LIMIT:
-        return None, f"the dataset holds {n} samples, more than the {LIMIT} compared"
-    return sampler, None
+        return (None, False), f"the dataset holds {n} samples, more than the {LIMIT} compared"
+    return (sampler, batched), None
 
 
 def _fingerprint(dataset: Any) -> tuple[int, str]:
@@ -102,11 +102,14 @@ def _fingerprint(dataset: Any) -> tuple[int, str]:
     return n, h.hexdigest()[:12]
 
 
-def _epoch(dataset: Any, sampler: Any) -> _Epoch:
-    """This rank's epoch: every index its sampler draws in one pass, as a bitmap."""
+def _epoch(dataset: Any, sampler: Any, *, batched: bool) -> _Epoch:
+    """This rank's epoch: every index its sampler (or batch sampler) draws in one pass, as a
+    bitmap."""
     n = len(dataset)
+    drawn = draw(sampler, 2 * LIMIT)
     try:
-        taken = torch.tensor([operator.index(i) for i in draw(sampler, 2 * LIMIT)])
+        flat = [i for batch in drawn for i in batch] if batched else drawn
+        taken = torch.tensor([operator.index(i) for i in flat], dtype=torch.int64)
     except TypeError:
         taken = torch.full((1,), -1)
     if taken.numel() and not 0 <= int(taken.min()) <= int(taken.max()) < n:
