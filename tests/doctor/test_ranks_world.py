@@ -87,6 +87,9 @@ def test_a_correct_setup_under_all_checks_is_clean_and_left_as_it_was(world) -> 
     for res in world:
         assert _loud(res["all"]) == [], res["all"]
         assert res["unchanged"] and res["generator_kept"]
+        # set_epoch never called (AReaL#632): the state family's information, said once
+        (epoch,) = [f for f in res["all"] if f["kind"] == "sampler_epoch"]
+        assert (epoch["severity"], epoch["where"]) == ("info", "DistributedSampler")
 
 
 def _evidence(world: list[dict[str, Any]], group: str = "cases") -> list[str]:
@@ -138,3 +141,58 @@ def test_held_out_automodel_dp_size_loss_is_named(world) -> None:
     case = world[0]["held_out"][1]
     assert _loud(case["twin"]) == []
     assert _loud(case["bug"]) == [("gradient_scaled_by_world", "warning")]
+
+
+# -- the judgements alone, on the numbers each rank would send (no world needed) -------------
+def _summary(ratio: float | None, before: list[float], factor: float, gathers: int = 0) -> Any:
+    return (ratio, before, [factor * v for v in before], gathers)
+
+
+@pytest.mark.parametrize(
+    ("ratios", "path", "gathers", "factor"),
+    [
+        ((2.0, 2.0), 1.0, 0, 2.0),  # loss x world
+        ((None, None), 0.5, 0, 0.5),  # the path halves: a divide on top of DDP's average
+        ((2.0, 2.0), 0.5, 0, None),  # loss x world, path / world: one process's gradient
+        ((2.0, 2.0), 1.0, 1, None),  # a loss over gathered outputs may scale on purpose
+        ((2.0004, 1.9996), 1.0, 0, None),  # a logged sum over ranks, the losses near log C
+        ((65536.0, 65536.0), 1 / 65536, 0, None),  # GradScaler: scaled, then unscaled
+        ((None, None), 0.37, 0, None),  # clipping on every rank
+    ],
+)
+def test_the_gradient_scale_is_judged_on_the_product_of_its_two_factors(
+    ratios: tuple[float | None, float | None], path: float, gathers: int, factor: float | None
+) -> None:
+    from isotrain.doctor.ranks.scale import scale_finding
+
+    before = [[0.3, -1.2, 0.8, 2.0], [0.5, -0.7, 1.1, 1.6]]  # two ranks' sums after backward
+    summaries = [_summary(r, b, path, gathers) for r, b in zip(ratios, before, strict=True)]
+    found = scale_finding(summaries, 2, adaptive=False)
+    if factor is None:
+        assert found == []
+    else:
+        (f,) = found
+        assert (f.kind, f.severity, f.where) == ("gradient_scaled_by_world", "warning",
+                                                 "optimizer.step()")  # fmt: skip
+        assert f.evidence.startswith(f"at optimizer.step() (step 1) the gradients are {factor:g} x")
+
+
+def test_padding_and_drop_last_even_out_a_split_without_a_finding() -> None:
+    from isotrain.doctor.ranks.shards import _Epoch, _judge
+
+    def epoch(indices: list[int], n: int, rank: int) -> _Epoch:
+        bits = torch.zeros(n + (-n) % 8, dtype=torch.uint8)
+        bits[indices] = 1
+        packed = (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1).to(torch.uint8)
+        return _Epoch((n, "h"), "DistributedSampler", len(indices), False,
+                      packed.numpy().tobytes(), (2, rank, 0, 0))  # fmt: skip
+
+    padded = [epoch(list(range(0, 63, 2)), 63, 0), epoch([*range(1, 63, 2), 0], 63, 1)]
+    assert _judge(padded, 2) == []  # 63 samples: rank 1 draws sample 0 again to even out
+    dropped = [epoch(list(range(0, 62, 2)), 63, 0), epoch(list(range(1, 62, 2)), 63, 1)]
+    assert _judge(dropped, 2) == []  # drop_last=True: sample 62 left out
+    halves = [epoch(list(range(32)), 64, 0), epoch(list(range(16, 48)), 64, 1)]
+    (f,) = _judge(halves, 2)
+    assert "16 of the draws repeat a sample another rank drew and 16 samples no rank drew" in (
+        f.evidence
+    )

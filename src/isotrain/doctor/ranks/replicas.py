@@ -256,18 +256,21 @@ def _stepped(
             return out + found
     if out or sharded:
         return out
-    adaptive = all("Adam" in type(o).__name__ for o in ctx.optimizers)
+    adaptive = bool(ctx.optimizers) and all("Adam" in type(o).__name__ for o in ctx.optimizers)
     return scale_finding(first, ranks.world, adaptive=adaptive)
 
 
 def _scale_summary(rec: _Record, returned: Any, gathers: int) -> Any:
-    """What gradient_scaled_by_world compares across ranks, from one recorded step."""
-    if rec.at_step is None:
-        return (None, [], [], gathers)
-    return (
-        loss_ratio(rec.losses, returned), grad_sums(rec.after_backward),
-        grad_sums(rec.at_step_grads), gathers,
-    )  # fmt: skip
+    """What gradient_scaled_by_world compares across ranks, from one recorded step (nothing
+    to compare where the step did not step, or its values cannot be read: every rank still
+    reaches the exchange)."""
+    try:
+        if rec.at_step is not None:
+            ratio = loss_ratio(rec.losses, returned)
+            return (ratio, grad_sums(rec.after_backward), grad_sums(rec.at_step_grads), gathers)
+    except Exception:  # a value the doctor cannot read is not the user's bug
+        pass
+    return (None, [], [], gathers)
 
 
 def _mismatch(ctx: Context) -> list[Finding]:

@@ -38,7 +38,8 @@ def grad_sums(grads: dict[str, torch.Tensor]) -> list[float]:
     a uniform scale of the gradients scales them all alike."""
     out: list[float] = []
     for g in grads.values():
-        flat = g.detach().reshape(-1).double()
+        local = getattr(g, "to_local", None)  # a replicated DTensor: this rank's full copy
+        flat = (local() if callable(local) else g).detach().reshape(-1).double()
         weights = torch.arange(flat.numel(), device=flat.device) % _PERIOD - _PERIOD // 2
         out += [flat.sum(), (flat * weights).sum()]
     return torch.stack(out).tolist() if out else []  # sync: once, after the step
@@ -84,6 +85,8 @@ def scale_finding(
     Adam-type optimizer, which normalises most of a constant scale away."""
     if any(gathers for *_, gathers in summaries):
         return []  # a loss over gathered tensors: a world-size factor may be right
+    if len({(len(s[1]), len(s[2])) for s in summaries}) > 1:
+        return []  # some rank read no gradients: nothing the ranks share to compare
     ratios = [r for r, *_ in summaries]
     first = ratios[0]
     alike = first is not None and all(r is not None and _near(r, first, EXACT) for r in ratios)
