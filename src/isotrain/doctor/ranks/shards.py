@@ -86,7 +86,9 @@ def _sampler(source: Any) -> tuple[tuple[Any, bool], str | None]:
 def _fingerprint(dataset: Any) -> tuple[int, str]:
     """(length, sha1 of the first, middle and last samples' contents, drawn under seed 0)."""
     n, h, seen = len(dataset), hashlib.sha1(), 0
-    with rng_isolated(seed=0):  # a random augmentation draws alike on every rank
+    # a random augmentation draws alike on every rank; no CUDA device is touched (capturing
+    # every device's RNG would start a context on each, from every rank)
+    with rng_isolated(seed=0, devices=()):
         for i in sorted({0, n // 2, n - 1} if n else set()):
             for leaf in tree_leaves(dataset[i]):
                 if isinstance(leaf, torch.Tensor):
