@@ -233,7 +233,8 @@ def _stepped(
         spread = _spread(ranks, names, start, dict(_base(model).named_parameters()), "before")
         out.append(replica_finding("start", start, spread, names))
     recs: list[_Record] = []
-    calls, first = ctx.cache.get("collectives"), []
+    calls = ctx.cache.get("collectives")
+    first: list[Any] = []  # each rank's scale summary of step 1
     for i in range(STEPS):
         gathers = getattr(calls, "gathers", 0)
         with _recording(model, ctx.optimizers, names) as rec:

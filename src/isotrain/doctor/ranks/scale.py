@@ -36,7 +36,7 @@ _PERIOD = 7  # the second linear sum weighs element i by (i mod 7) - 3
 def grad_sums(grads: dict[str, torch.Tensor]) -> list[float]:
     """Two linear sums of each gradient (plain, and weighted by a fixed pattern), in float64:
     a uniform scale of the gradients scales them all alike."""
-    out: list[float] = []
+    out: list[torch.Tensor] = []
     for g in grads.values():
         local = getattr(g, "to_local", None)  # a replicated DTensor: this rank's full copy
         flat = (local() if callable(local) else g).detach().reshape(-1).double()
