@@ -70,7 +70,62 @@ def _accumulating_over_calls(bug: bool) -> dict[str, Any]:
 def test_zeroing_each_call_of_an_accumulation_over_calls_is_named() -> None:
     (f,) = examine(**_accumulating_over_calls(True), checks=["gradient_discarded"]).findings
     assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
-    no_alarm(examine(**_accumulating_over_calls(False), checks=KINDS))
+    no_alarm(examined_untouched(_accumulating_over_calls(False), checks="all"))
+
+
+def _alpaca_over_calls(fixed: bool) -> dict[str, Any]:
+    """alpaca_farm#57 as first rebuilt: one micro-batch per call of the step, the accumulating
+    optimizer wrapper counting the calls and stepping on every second."""
+    model = zoo_update.seeded(zoo_update.MLP)
+    opt = zoo_update.SyncedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), k=2)
+
+    def step(policy: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = ce(policy, batch) / opt.k
+        loss.backward()
+        opt.step()
+        opt.zero_grad() if fixed else policy.zero_grad(set_to_none=True)  # BUG: every call
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=zoo_update.features(4), step=step)
+
+
+def test_an_optimizer_wrapper_stepping_every_kth_call_is_judged_at_its_step() -> None:
+    d = examine(**_alpaca_over_calls(False), checks="all")
+    assert severities(d, "gradient_discarded") == ["error"], d
+    setup = _alpaca_over_calls(True)
+    no_alarm(examined_untouched(setup, checks="all"))
+    assert setup["optimizer"].calls == 0  # the wrapper's own counter is put back
+
+
+def test_a_step_that_never_reaches_optimizer_step_is_not_judged() -> None:
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        loss = ce(model, batch) / 16
+        loss.backward()  # accumulation over 16 calls, longer than the doctor follows
+        return loss.detach()
+
+    (f,) = examine(**mlp_setup(step=step), checks=["params_unchanged"]).findings
+    assert f.severity == "info" and f.evidence.startswith("not checked: none of 8 calls"), f
+
+
+def test_a_zero_learning_rate_is_named_at_the_call_that_steps() -> None:
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        (ce(model, batch) / 2).backward()
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+        return torch.zeros(())
+
+    setup = mlp_setup(step=step)
+    for g in setup["optimizer"].param_groups:
+        g["lr"] = 0.0
+    (f,) = examine(**setup, checks=["params_unchanged"]).findings
+    assert f.severity == "error", f
+    assert f.evidence == (
+        "4 parameter(s) had a nonzero gradient at the optimizer.step() of call 2 and did not change"
+    ), f
 
 
 def _sam_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:

@@ -79,8 +79,9 @@ class Context:
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
+        handed = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         self.step_state = StepState(
-            self.step, self.eval_fn, skip=[*self.model.modules(), *self.optimizers]
+            self.step, self.eval_fn, skip=[*self.model.modules(), *self.optimizers], objects=handed
         )
         self.settled = not (_is_ddp(self.model) and ddp_reduction_pending(self.model))
 

@@ -131,11 +131,20 @@ def _full(cell: Any) -> bool:
 class StepState:
     """The globals and closure cells the user's functions read, as they were when this was
     made (functions that are None are left out; objects in `skip`, the model examine restores
-    itself, are not kept)."""
+    itself, are not kept), and the contents of `objects` the step is handed (an optimizer
+    wrapper's own call counter)."""
 
-    def __init__(self, *fns: Callable[..., Any] | None, skip: Iterable[Any] = ()) -> None:
+    def __init__(
+        self,
+        *fns: Callable[..., Any] | None,
+        skip: Iterable[Any] = (),
+        objects: Iterable[Any] = (),
+    ) -> None:
         self.skip = {id(o) for o in skip}
         self.slots: list[tuple[Any, str, Any, Any]] = []  # (namespace, name, value, saved)
+        for o in objects:
+            if _kept(o, self.skip):
+                self._keep({"handed": o}, "handed")
         for f in _functions(*[f for f in fns if f is not None]):
             for name in f.__code__.co_names:
                 if name in f.__globals__ and _kept(f.__globals__[name], self.skip):
