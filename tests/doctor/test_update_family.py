@@ -18,7 +18,7 @@ from torch import nn
 
 from isotrain.doctor import examine
 
-KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient"]
+KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient", "advantage_not_detached"]
 EXTRAS = ("ema", "scheduler", "counter")
 
 
@@ -223,3 +223,58 @@ def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
 @pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
 def test_held_out_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+def _ppo_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """PPO's clipped surrogate: ratio (exp of a log-prob difference) times a detached
+    advantage, an entropy bonus; the value loss on its own."""
+    s, a, ret = batch
+    logits, value = model(s)
+    dist = torch.distributions.Categorical(logits=logits)
+    logp = dist.log_prob(a)
+    ratio = torch.exp(logp - logp.detach() + 0.1)
+    adv = (ret - value).detach()
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    loss = -surrogate.mean() + 0.5 * F.mse_loss(value, ret) - 0.01 * dist.entropy().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _focal_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """Focal loss by hand: (1 - p)^2 * log p, p from the same log-probabilities."""
+    x, y = batch
+    logp = F.log_softmax(model(x), -1).gather(1, y[:, None]).squeeze(1)
+    loss = -((1 - logp.exp()) ** 2 * logp).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _learned_weight_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """A learned scalar weight on a hand-written log-likelihood (uncertainty weighting)."""
+    x, y = batch
+    logp = F.log_softmax(model(x), -1).gather(1, y[:, None]).squeeze(1)
+    s = model.fc2.bias[0]
+    loss = -(torch.exp(-s) * logp).mean() + s
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_policy_terms_that_are_right_get_no_alarm() -> None:
+    no_alarm(examined_untouched(zoo_update.ac_setup(_ppo_step, shared=True), checks=KINDS))
+    for step in (_focal_step, _learned_weight_step):
+        no_alarm(examined_untouched(mlp_setup(step=step), checks=KINDS))
+
+
+def test_the_advantage_check_names_the_parameters_it_moved() -> None:
+    (f,) = examine(
+        **zoo_update.setup_actor_critic_summed(False), checks=["advantage_not_detached"]
+    ).findings
+    assert "ends with 3 parameter(s) different (critic.0.bias, critic.0.weight, critic." in (
+        f.evidence
+    ), f
