@@ -125,12 +125,32 @@ def setup_sampler_epoch(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opt, batches=batches, step=stepping(None))
 
 
+def setup_plateau_per_batch(fixed: bool) -> dict[str, Any]:
+    """https://github.com/abhishekkrthakur/wtfml/issues/7: the engine steps its scheduler after
+    every batch, a ReduceLROnPlateau with it, on the batch's training loss (the behaviour
+    https://github.com/pytorch/pytorch/issues/30873 shows: a noisy loss rarely sets a new best,
+    so the lr is cut again and again). Fixed: stepped once per epoch after validation, which
+    the step does not do."""
+    model, batches = classifier(), loader(200)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min")
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = stepping(None)(model, opt, batch)
+        if not fixed:
+            sched.step(loss)  # BUG: patience counts batches of a noisy training loss
+        return loss
+
+    return dict(model=model, optimizer=opt, batches=batches, step=step)
+
+
 BUILT: list[tuple[str, Callable[[bool], dict[str, Any]], str]] = [
     ("lr_collapse", setup_steplr_per_batch, "warning"),
     ("lr_collapse", setup_cosine_per_batch, "warning"),
     ("ema_off_decay", setup_ema_sign, "error"),
     ("ema_before_step", setup_ema_before_step, "warning"),
     ("sampler_epoch", setup_sampler_epoch, "info"),
+    ("lr_collapse", setup_plateau_per_batch, "warning"),
 ]
 # kind, buggy setup, clean twin, the severity the bug earns (tests/doctor/test_zoo.py's shape)
 CASES: list[tuple[str, Setup, Setup, str]] = [

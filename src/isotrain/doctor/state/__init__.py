@@ -1,7 +1,7 @@
 """State across steps: what the step or the evaluation leaves changed for the steps after
 it: modes, grad mode, autocast, global flags and RNG (leaks), graphs kept alive (graph), the
-learning-rate schedule over the run (schedule), EMA shadows (ema), the sampler's epoch
-(sampler).
+learning-rate schedule over the run (schedule; a ReduceLROnPlateau stepped in the step:
+plateau), EMA shadows (ema), the sampler's epoch (sampler).
 
 Kinds: `mode_leak`, `grad_mode_leak`, `autocast_leak`, `global_state_leak`,
 `eval_in_train_mode`, `buffer_write_in_eval`, `rng_leak`, `graph_retained`, `lr_collapse`,

@@ -9,7 +9,7 @@ below 1/100 of its peak before half the run has spent its schedule (a cosine pas
 starts over: a schedule cycling within the run); one that reaches 0 at the run's end has
 not, nor one that restarts by design (warm restarts, cyclic) and comes back up. A learning
 rate the step sets by hand is judged on the traced calls: no run wants it to fall 100x
-within them.
+within them. A ReduceLROnPlateau your step steps is judged on the metrics it hands it (plateau).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from isotrain.doctor.ground.context import Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.trace import Trace, trace_ok
+from isotrain.doctor.state.plateau import PlateauRun, plateau_run, stepped_on
 
 __all__ = ["LR_COLLAPSE", "check_lr"]
 
@@ -59,7 +60,12 @@ def check_lr(ctx: Context) -> list[Finding]:
             f"within {len(tr.steps)} calls of your step",
             _FIX,
         )]  # fmt: skip
-    stepped = [] if _per_epoch(ctx) else _stepped(ctx)
+    if _per_epoch(ctx):
+        return []
+    plateau = plateau_run(ctx)
+    if plateau is not None:
+        return _plateau_collapse(ctx, tr, plateau)
+    stepped = _stepped(ctx)
     if not stepped:
         return []
     run, said = _run_length(ctx, tr)
@@ -75,6 +81,23 @@ def check_lr(ctx: Context) -> list[Finding]:
         f"-> {low:.3g}) after {at} of the run's {run} calls of your step ({said}), its "
         f"schedulers stepped as your step steps them ({how} per call)",
         _FIX,
+    )]  # fmt: skip
+
+
+def _plateau_collapse(ctx: Context, tr: Trace, plateau: PlateauRun) -> list[Finding]:
+    """lr_collapse of a ReduceLROnPlateau your step steps (NOTE [plateau per call])."""
+    run, said = _run_length(ctx, tr)
+    found = _collapse(stepped_on(ctx, plateau, min(run, MAX_RUN)), run / 2, stays=False)
+    if found is None:
+        return []
+    group, peak, low, at = found
+    return [Finding(
+        "lr_collapse", "warning", _sched_line(tr),
+        f"{plateau.describe()}, repeated, the learning rate of param group {group} falls "
+        f"below 1/100 of its peak ({peak:.3g} -> {low:.3g}) after {at} of the run's {run} "
+        f"calls of your step ({said})",
+        "step ReduceLROnPlateau once per epoch, after validation, with the validation metric: "
+        "scheduler.step(val_loss)",
     )]  # fmt: skip
 
 
