@@ -140,3 +140,25 @@ def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
 @pytest.mark.parametrize(("kind", "make", "severity"), zoo_state.HELD_OUT, ids=_id)
 def test_held_out_twin_is_clean(kind: str, make: Any, severity: str) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+def test_a_resume_check_needs_both_halves_and_says_what_to_pass() -> None:
+    setup = zoo_state.setup_resume_without_rng(True)
+    with pytest.raises(ValueError, match="pass save=your_save"):
+        examine(**{**setup, "load": None}, checks=["resume_mismatch"])
+    del setup["save"], setup["load"]
+    (f,) = examine(**setup, checks=["resume_mismatch"]).findings
+    assert (f.severity, f.evidence) == (
+        "info",
+        "not checked: pass save=your_save(path) and load=your_load(path) to check a resume",
+    ), f
+
+
+def test_a_resume_names_what_the_load_left_out() -> None:
+    (f,) = examine(
+        **zoo_state.setup_resume_weights_only(False), checks=["resume_mismatch"]
+    ).findings
+    assert f.evidence.endswith(
+        "not brought back by your load: optimizer state (moments, step counts), optimizer "
+        "hyperparameters (lr)"
+    ), f

@@ -265,9 +265,21 @@ def _learned_weight_step(model: nn.Module, opt: torch.optim.Optimizer, batch: An
     return loss.detach()
 
 
+def _gated_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """A swish gate on the logits (x * sigmoid(x)) before a log-softmax loss: no policy term."""
+    x, y = batch
+    h = model(x)
+    logp = F.log_softmax(h * torch.sigmoid(h), -1)
+    loss = F.nll_loss(logp, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
 def test_policy_terms_that_are_right_get_no_alarm() -> None:
     no_alarm(examined_untouched(zoo_update.ac_setup(_ppo_step, shared=True), checks=KINDS))
-    for step in (_focal_step, _learned_weight_step):
+    for step in (_focal_step, _learned_weight_step, _gated_step):
         no_alarm(examined_untouched(mlp_setup(step=step), checks=KINDS))
 
 

@@ -73,6 +73,7 @@ class Context:
     ranks: Any = None  # the doctor's link between ranks (a ranks.link.Ranks) under a process group
     forward: Callable[[nn.Module, Any], Any] | None = None  # the user's: how to call the model
     total_steps: int | None = None  # the user's declaration: optimizer steps in the whole run
+    checkpoint: tuple[Any, Any] | None = None  # the user's (save(path), load(path)) pair
     snapshot: Snapshot = field(init=False)
     step_state: StepState = field(init=False)
     settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began

@@ -22,19 +22,27 @@ from isotrain.doctor.update.params import name_list
 
 __all__ = ["ADVANTAGE", "check_advantage"]
 
-# what makes a tensor the policy's own: its log-probabilities or probabilities
-_POLICY = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax, F.softmax, torch.softmax,
-           torch.Tensor.softmax, torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid}  # fmt: skip
+# log-probabilities ("log") and probabilities ("prob"), and what is computed from them; a
+# product of a "log" tensor with an untagged one is a policy-gradient term (p log p, an
+# entropy, and (1 - p)^g log p, a focal loss, multiply two tagged ones; x * sigmoid(x) none)
+_LOG = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+_PROB = {F.softmax, torch.softmax, torch.Tensor.softmax, torch.sigmoid, torch.Tensor.sigmoid,
+         F.sigmoid}  # fmt: skip
+_LOG_OF = {torch.log, torch.Tensor.log}
 _MUL = {torch.mul, torch.multiply, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
 _DISTRIBUTIONS = os.path.join(TORCH_DIR, "distributions")
+_MODULE_CALL = os.path.join(TORCH_DIR, "nn", "modules", "module.py")
 
 
-def _in_distributions(name: str | None = None) -> bool:
-    """Whether torch.distributions code (its `name` method, if given) is running."""
+def _inside(name: str | None = None) -> bool:
+    """Whether torch.distributions code (its `name` method, if given) is running, or (without a
+    name) a module's forward: the model's own algorithm, not the step's loss."""
     frame: Any = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
         if code.co_filename.startswith(_DISTRIBUTIONS) and name in (None, code.co_name):
+            return True
+        if name is None and code.co_filename == _MODULE_CALL and code.co_name == "_call_impl":
             return True
         frame = frame.f_back
     return False
@@ -47,37 +55,44 @@ class _PolicyTerms(TorchFunctionMode):
 
     def __init__(self, detach: set[str] | None = None) -> None:
         super().__init__()
-        self.tagged: dict[int, torch.Tensor] = {}  # id -> the tensor, kept alive while watched
+        self.tagged: dict[int, tuple[str, torch.Tensor]] = {}  # id -> (tag, the tensor alive)
         self.sites: dict[str, int] = {}  # the user's file:line of a product -> its count
         self.detach = detach
 
-    def _is(self, t: Any) -> bool:
-        return isinstance(t, torch.Tensor) and id(t) in self.tagged
+    def _tag(self, t: Any) -> str | None:
+        found = self.tagged.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return found[0] if found is not None else None
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _MUL and len(args) == 2:
             args = self._product(*args)
         out = func(*args, **kwargs)
-        policy = (
-            func in _POLICY
-            or any(self._is(a) for a in (*args, *kwargs.values()))
-            or (_grad(args) and _in_distributions("log_prob"))
-        )
-        if policy:
+        tag = self._result(func, args, kwargs)
+        if tag is not None:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, torch.Tensor):
-                    self.tagged[id(t)] = t
+                    self.tagged[id(t)] = (tag, t)
         return out
+
+    def _result(self, func: Any, args: Any, kwargs: dict[str, Any]) -> str | None:
+        """The tag of `func`'s output: "log", "prob" or None."""
+        tags = {self._tag(a) for a in (*args, *kwargs.values())} - {None}
+        if func in _LOG or (func in _LOG_OF and "prob" in tags):
+            return "log"
+        if func in _PROB:
+            return "prob"
+        if tags:
+            return "log" if "log" in tags else "prob"
+        return "log" if _grad(args) and _inside("log_prob") else None
 
     def _product(self, a: Any, b: Any) -> tuple[Any, Any]:
         """(a, b), the untagged one detached where this line is one to detach."""
-        if self._is(a) == self._is(b):
+        tags = (self._tag(a), self._tag(b))
+        if set(tags) != {"log", None}:
             return a, b
-        policy, other = (a, b) if self._is(a) else (b, a)
-        if not (_grad((policy,)) and _grad((other,)) and other.numel() > 1):
-            return a, b
-        if _in_distributions():
+        policy, other = (a, b) if tags[0] == "log" else (b, a)
+        if not (_grad((policy,)) and _grad((other,)) and other.numel() > 1) or _inside():
             return a, b
         where = call_site()[0]
         self.sites[where] = self.sites.get(where, 0) + 1
