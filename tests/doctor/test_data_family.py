@@ -59,3 +59,33 @@ def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
 @pytest.mark.parametrize("make", zoo_data.HELD_OUT_SETUPS, ids=_id)
 def test_held_out_twin_is_clean(make: Any) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zoo_data.SPLIT_HELD_OUT, ids=_id)
+def test_held_out_split_report_is_named_and_its_twin_clean(
+    kind: str, make: Any, severity: str
+) -> None:
+    assert kinds_at(examine(**make(False), checks="all"), kind) == [severity]
+    no_alarm(examined_untouched(make(True), checks="all"))
+
+
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_a_few_duplicate_rows_are_information_not_an_overlap(as_numpy: bool) -> None:
+    train, val = zoo_data.Images(400), zoo_data.Images(200, seed=1)
+    val.data[0] = train.data[7]  # one row of 200 (0.5%) also in the training data
+    if as_numpy:  # a torchvision-style `.data` held as an ndarray
+        train.data, val.data = train.data.numpy(), val.data.numpy()
+    (f,) = examine(**zoo_data.split_setup(train, val), checks=["train_val_overlap"]).findings
+    assert f.severity == "info", f
+    assert f.evidence.startswith("1 of 200 samples of the eval loader are also in the training")
+
+
+def test_without_an_eval_loader_the_splits_are_not_checked() -> None:
+    setup = zoo_data.split_setup(zoo_data.Images(80), zoo_data.Images(16, seed=1))
+    setup["eval_fn"] = None
+    d = examine(**setup, checks=["train_val_overlap", "eval_augmented"])
+    assert [(f.kind, f.severity) for f in d.findings] == [
+        ("eval_augmented", "info"),
+        ("train_val_overlap", "info"),
+    ], d
+    assert d.findings[0].evidence.startswith("not checked: no eval DataLoader found"), d

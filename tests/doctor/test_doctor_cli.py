@@ -95,7 +95,7 @@ def test_a_missing_function_names_the_keys_and_a_file_that_exists(
         f"isotrain doctor: error: {setup_file} defines no function nothere(); write one "
         "returning a dict of isotrain.doctor.examine's arguments (model, optimizer, batches and "
         "any of step, epoch, loss_fn, eval_fn, forward, checks, task, samples_interact, "
-        "loss_falls, total_steps, rank_timeout), "
+        "loss_falls, total_steps, save, load, rank_timeout), "
         "as in examples/doctor_setup.py\n"
     )
     assert main(["doctor", "missing.py"]) == 2

@@ -71,6 +71,28 @@ def test_the_schedule_is_stepped_on_and_put_back() -> None:
     assert opt.param_groups[0]["lr"] == 1.0
 
 
+def _plateau(setup: dict[str, Any]) -> Any:
+    cells = [c.cell_contents for c in setup["step"].__closure__]
+    return next(c for c in cells if isinstance(c, torch.optim.lr_scheduler.ReduceLROnPlateau))
+
+
+def test_a_plateau_stepped_per_batch_is_judged_on_its_metrics_and_put_back() -> None:
+    setup = zoo_state.setup_plateau_per_batch(False)
+    sched = _plateau(setup)
+    (f,) = examined_untouched(setup, sched, checks=["lr_collapse"]).findings
+    assert f.evidence.startswith(
+        "ReduceLROnPlateau(patience=10, factor=0.1).step(metric) runs 1 time(s) in each call"
+    ), f
+    assert "(0.1 -> 1e-08) after 35 of the run's 200 calls" in f.evidence, f
+    assert sched.num_bad_epochs == 0 and sched.best == float("inf") and "step" not in vars(sched)
+
+
+def test_a_plateau_whose_patience_counts_batches_is_not_a_collapse() -> None:
+    setup = zoo_state.setup_plateau_per_batch(False)
+    _plateau(setup).patience = 1000  # patience set in batches: five epochs
+    assert examine(**setup, checks=["lr_collapse"]).findings == []
+
+
 def test_a_wrong_way_round_decay_is_an_error_and_a_warmup_ema_is_not() -> None:
     setup = zoo_state._ema_setup({"decay": 0.9, "backwards": True})
     (f,) = examine(**setup, checks=["ema_off_decay"]).findings
@@ -118,3 +140,25 @@ def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
 @pytest.mark.parametrize(("kind", "make", "severity"), zoo_state.HELD_OUT, ids=_id)
 def test_held_out_twin_is_clean(kind: str, make: Any, severity: str) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+def test_a_resume_check_needs_both_halves_and_says_what_to_pass() -> None:
+    setup = zoo_state.setup_resume_without_rng(True)
+    with pytest.raises(ValueError, match="pass save=your_save"):
+        examine(**{**setup, "load": None}, checks=["resume_mismatch"])
+    del setup["save"], setup["load"]
+    (f,) = examine(**setup, checks=["resume_mismatch"]).findings
+    assert (f.severity, f.evidence) == (
+        "info",
+        "not checked: pass save=your_save(path) and load=your_load(path) to check a resume",
+    ), f
+
+
+def test_a_resume_names_what_the_load_left_out() -> None:
+    (f,) = examine(
+        **zoo_state.setup_resume_weights_only(False), checks=["resume_mismatch"]
+    ).findings
+    assert f.evidence.endswith(
+        "not brought back by your load: optimizer state (moments, step counts), optimizer "
+        "hyperparameters (lr)"
+    ), f

@@ -18,7 +18,7 @@ from torch import nn
 
 from isotrain.doctor import examine
 
-KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient"]
+KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient", "advantage_not_detached"]
 EXTRAS = ("ema", "scheduler", "counter")
 
 
@@ -70,7 +70,62 @@ def _accumulating_over_calls(bug: bool) -> dict[str, Any]:
 def test_zeroing_each_call_of_an_accumulation_over_calls_is_named() -> None:
     (f,) = examine(**_accumulating_over_calls(True), checks=["gradient_discarded"]).findings
     assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
-    no_alarm(examine(**_accumulating_over_calls(False), checks=KINDS))
+    no_alarm(examined_untouched(_accumulating_over_calls(False), checks="all"))
+
+
+def _alpaca_over_calls(fixed: bool) -> dict[str, Any]:
+    """alpaca_farm#57 as first rebuilt: one micro-batch per call of the step, the accumulating
+    optimizer wrapper counting the calls and stepping on every second."""
+    model = zoo_update.seeded(zoo_update.MLP)
+    opt = zoo_update.SyncedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), k=2)
+
+    def step(policy: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = ce(policy, batch) / opt.k
+        loss.backward()
+        opt.step()
+        opt.zero_grad() if fixed else policy.zero_grad(set_to_none=True)  # BUG: every call
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=zoo_update.features(4), step=step)
+
+
+def test_an_optimizer_wrapper_stepping_every_kth_call_is_judged_at_its_step() -> None:
+    d = examine(**_alpaca_over_calls(False), checks="all")
+    assert severities(d, "gradient_discarded") == ["error"], d
+    setup = _alpaca_over_calls(True)
+    no_alarm(examined_untouched(setup, checks="all"))
+    assert setup["optimizer"].calls == 0  # the wrapper's own counter is put back
+
+
+def test_a_step_that_never_reaches_optimizer_step_is_not_judged() -> None:
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        loss = ce(model, batch) / 16
+        loss.backward()  # accumulation over 16 calls, longer than the doctor follows
+        return loss.detach()
+
+    (f,) = examine(**mlp_setup(step=step), checks=["params_unchanged"]).findings
+    assert f.severity == "info" and f.evidence.startswith("not checked: none of 8 calls"), f
+
+
+def test_a_zero_learning_rate_is_named_at_the_call_that_steps() -> None:
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        (ce(model, batch) / 2).backward()
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            opt.step()
+            opt.zero_grad()
+        return torch.zeros(())
+
+    setup = mlp_setup(step=step)
+    for g in setup["optimizer"].param_groups:
+        g["lr"] = 0.0
+    (f,) = examine(**setup, checks=["params_unchanged"]).findings
+    assert f.severity == "error", f
+    assert f.evidence == (
+        "4 parameter(s) had a nonzero gradient at the optimizer.step() of call 2 and did not change"
+    ), f
 
 
 def _sam_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
@@ -168,3 +223,70 @@ def test_held_out_report_is_named(kind: str, make: Any, severity: str) -> None:
 @pytest.mark.parametrize(("kind", "make", "severity"), zoo_update.HELD_OUT, ids=_id)
 def test_held_out_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+def _ppo_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """PPO's clipped surrogate: ratio (exp of a log-prob difference) times a detached
+    advantage, an entropy bonus; the value loss on its own."""
+    s, a, ret = batch
+    logits, value = model(s)
+    dist = torch.distributions.Categorical(logits=logits)
+    logp = dist.log_prob(a)
+    ratio = torch.exp(logp - logp.detach() + 0.1)
+    adv = (ret - value).detach()
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    loss = -surrogate.mean() + 0.5 * F.mse_loss(value, ret) - 0.01 * dist.entropy().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _focal_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """Focal loss by hand: (1 - p)^2 * log p, p from the same log-probabilities."""
+    x, y = batch
+    logp = F.log_softmax(model(x), -1).gather(1, y[:, None]).squeeze(1)
+    loss = -((1 - logp.exp()) ** 2 * logp).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _learned_weight_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """A learned scalar weight on a hand-written log-likelihood (uncertainty weighting)."""
+    x, y = batch
+    logp = F.log_softmax(model(x), -1).gather(1, y[:, None]).squeeze(1)
+    s = model.fc2.bias[0]
+    loss = -(torch.exp(-s) * logp).mean() + s
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _gated_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """A swish gate on the logits (x * sigmoid(x)) before a log-softmax loss: no policy term."""
+    x, y = batch
+    h = model(x)
+    logp = F.log_softmax(h * torch.sigmoid(h), -1)
+    loss = F.nll_loss(logp, y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def test_policy_terms_that_are_right_get_no_alarm() -> None:
+    no_alarm(examined_untouched(zoo_update.ac_setup(_ppo_step, shared=True), checks=KINDS))
+    for step in (_focal_step, _learned_weight_step, _gated_step):
+        no_alarm(examined_untouched(mlp_setup(step=step), checks=KINDS))
+
+
+def test_the_advantage_check_names_the_parameters_it_moved() -> None:
+    (f,) = examine(
+        **zoo_update.setup_actor_critic_summed(False), checks=["advantage_not_detached"]
+    ).findings
+    assert "ends with 3 parameter(s) different (critic.0.bias, critic.0.weight, critic." in (
+        f.evidence
+    ), f

@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from tests.doctor.zoo import MLP, adamw, good_step, mlp_setup, seeded
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
+
+from isotrain.contexts import eval_mode, rng_isolated
 
 N_CLASSES = 3
 
@@ -200,6 +202,139 @@ def setup_separate_transforms(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
 
 
+# -- the training split against the eval split ------------------------------------------------
+
+
+class Images(Dataset):  # type: ignore[type-arg]
+    """A torchvision-style dataset: raw rows in `.data`, labels in `.targets`, a transform."""
+
+    def __init__(self, n: int, transform: Any = None, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randn(n, 8, generator=g)
+        self.targets = torch.randint(0, 4, (n,), generator=g)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.data[i]
+        return (self.transform(x) if self.transform else x), self.targets[i]
+
+
+def jitter(x: torch.Tensor) -> torch.Tensor:
+    """A random augmentation: noise drawn from the global generator (a worker's seed)."""
+    return x + 0.1 * torch.randn_like(x)
+
+
+def split_setup(train: Any, val: Any) -> dict[str, Any]:
+    """A classifier trained on `train`, its eval_fn reading a DataLoader over `val` by name."""
+    train_loader = DataLoader(train, batch_size=8, shuffle=True,
+                              generator=torch.Generator().manual_seed(0))  # fmt: skip
+    val_loader = DataLoader(val, batch_size=8)
+
+    def evaluate(model: nn.Module, _: Any) -> float:
+        with torch.no_grad(), eval_mode(model), rng_isolated(seed=0):
+            loss = sum(F.cross_entropy(model(x), y).item() for x, y in val_loader)
+        return loss / len(val_loader)
+
+    return mlp_setup(batches=train_loader, eval_fn=evaluate)
+
+
+def setup_split_shuffled_then_sliced(fixed: bool) -> dict[str, Any]:
+    """https://github.com/marin-community/marin/pull/2700: the training set is shuffled and then
+    sliced, the validation set sliced without shuffling: some samples are in both."""
+    full = Images(96)
+    order = torch.randperm(96, generator=torch.Generator().manual_seed(1)).tolist()
+    val_idx = list(range(16))
+    train_idx = list(range(16, 96)) if fixed else order[16:]  # BUG: slice after the shuffle
+    return split_setup(Subset(full, train_idx), Subset(full, val_idx))
+
+
+def setup_split_from_the_full_set(fixed: bool) -> dict[str, Any]:
+    """https://github.com/edgarsmdn/MLCE_book/pull/4: the validation set is split off the full
+    data with another seed, not off the training part: it overlaps train (and test)."""
+    rows = Images(100)
+    rest, _test = train_test_split(list(range(100)), seed=0)
+    train_idx, val_idx = train_test_split(rest if fixed else list(range(100)), seed=1)
+    if not fixed:
+        train_idx = rest  # BUG: train keeps all of `rest`, val drawn from everything
+    train = TensorDataset(rows.data[train_idx], rows.targets[train_idx])
+    val = TensorDataset(rows.data[val_idx], rows.targets[val_idx])
+    return split_setup(train, val)
+
+
+def train_test_split(items: list[int], seed: int) -> tuple[list[int], list[int]]:
+    """sklearn's train_test_split(items, test_size=0.2, random_state=seed), in short."""
+    perm = torch.randperm(len(items), generator=torch.Generator().manual_seed(seed)).tolist()
+    cut = len(items) - len(items) // 5
+    return [items[i] for i in perm[:cut]], [items[i] for i in perm[cut:]]
+
+
+def setup_train_loader_over_the_full_set(fixed: bool) -> dict[str, Any]:
+    """https://github.com/ratschlab/aestetik/pull/12: random_split builds train and val subsets,
+    but the train DataLoader wraps the full dataset, so validation samples are trained on."""
+    full = Images(96)
+    train, val = torch.utils.data.random_split(
+        full, [80, 16], generator=torch.Generator().manual_seed(0)
+    )
+    return split_setup(train if fixed else full, val)  # BUG (unfixed): the full dataset
+
+
+def setup_split_after_augmentation(fixed: bool) -> dict[str, Any]:
+    """https://github.com/udacity/deep-learning-v2-pytorch/issues/132 (and
+    https://github.com/gpleiss/efficient_densenet_pytorch/issues/51): the dataset is built with
+    the training transform and then split: the validation part is augmented too."""
+    if fixed:
+        train_part = Images(96, transform=jitter)
+        val_part = Images(96)  # the same rows, built again without augmentation
+    else:
+        train_part = val_part = Images(96, transform=jitter)  # BUG: one dataset, one transform
+    idx = torch.randperm(96, generator=torch.Generator().manual_seed(0)).tolist()
+    return split_setup(Subset(train_part, idx[16:]), Subset(val_part, idx[:16]))
+
+
+def setup_val_given_train_transform(fixed: bool) -> dict[str, Any]:
+    """https://github.com/ildoonet/pytorch-randaugment/issues/16: with a validation ratio, the
+    validation loader is given the training transforms (RandAugment included)."""
+    return split_setup(Images(80, jitter, seed=0), Images(16, None if fixed else jitter, seed=1))
+
+
+def setup_split_drawn_twice(fixed: bool) -> dict[str, Any]:
+    """https://github.com/TensorAuto/OpenTau/pull/498 (one process's form): random_split takes
+    its permutation from the global RNG, and the train and val subsets come from two draws of
+    it, so they partition the dataset differently."""
+    full = Images(96)
+    with rng_isolated(seed=5):
+        if fixed:
+            g = torch.Generator().manual_seed(0)
+            train, val = torch.utils.data.random_split(full, [80, 16], generator=g)
+        else:
+            train, _ = torch.utils.data.random_split(full, [80, 16])  # the global RNG
+            _, val = torch.utils.data.random_split(full, [80, 16])  # BUG: another partition
+    return split_setup(train, val)
+
+
+def setup_ffpn_val_transform(fixed: bool) -> dict[str, Any]:
+    """https://github.com/shigen-StoneRoot/FFPN/issues/2: `val_transform = train_transform`."""
+    train_transform = jitter
+    val_transform = None if fixed else train_transform  # BUG (unfixed)
+    return split_setup(Images(80, train_transform), Images(16, val_transform, seed=1))
+
+
+SPLIT_HELD_OUT = [
+    ("train_val_overlap", setup_split_drawn_twice, "error"),
+    ("eval_augmented", setup_ffpn_val_transform, "warning"),
+]
+
+SPLIT_CASES = [
+    ("train_val_overlap", setup_split_shuffled_then_sliced, "error"),
+    ("train_val_overlap", setup_split_from_the_full_set, "error"),
+    ("train_val_overlap", setup_train_loader_over_the_full_set, "error"),
+    ("eval_augmented", setup_split_after_augmentation, "warning"),
+    ("eval_augmented", setup_val_given_train_transform, "warning"),
+]
+
 HELD_OUT_SETUPS = [setup_onehot_npy, setup_separate_transforms]
 _MISSED = "held-out miss, kept as tested once: "
 HELD_OUT = [
@@ -215,5 +350,6 @@ CASES = [
     ("labels_truncated", setup_scaled_mask, "error"),
     ("batch_class_mix", setup_sorted, "warning"),
     ("pair_transform_mismatch", setup_pairs, "error"),
+    *SPLIT_CASES,
 ]
 __all__ = ["CASES", "MLP", "good_step", "setup_stored_mixed"]

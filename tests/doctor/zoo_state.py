@@ -125,12 +125,92 @@ def setup_sampler_epoch(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opt, batches=batches, step=stepping(None))
 
 
+def setup_plateau_per_batch(fixed: bool) -> dict[str, Any]:
+    """https://github.com/abhishekkrthakur/wtfml/issues/7: the engine steps its scheduler after
+    every batch, a ReduceLROnPlateau with it, on the batch's training loss (the behaviour
+    https://github.com/pytorch/pytorch/issues/30873 shows: a noisy loss rarely sets a new best,
+    so the lr is cut again and again). Fixed: stepped once per epoch after validation, which
+    the step does not do."""
+    model, batches = classifier(), loader(200)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="min")
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        loss = stepping(None)(model, opt, batch)
+        if not fixed:
+            sched.step(loss)  # BUG: patience counts batches of a noisy training loss
+        return loss
+
+    return dict(model=model, optimizer=opt, batches=batches, step=step)
+
+
+# -- resume_mismatch ---------------------------------------------------------------------------
+def resume_setup(saves: tuple[str, ...], loads: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """A classifier with dropout, AdamW and a per-step LambdaLR; save/load write and read the
+    pieces named in `saves` ("model", "optimizer", "scheduler", "rng"); load reads `loads`
+    of them (all it saved unless told)."""
+    loads = saves if loads is None else loads
+    model = seeded(lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2),
+                                         nn.Linear(16, 3)))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+    parts = {"model": model, "optimizer": opt, "scheduler": sched}
+
+    def save(path: str) -> None:
+        state = {k: parts[k].state_dict() for k in saves if k in parts}
+        if "rng" in saves:
+            state["rng"] = torch.get_rng_state()
+        torch.save(state, path)
+
+    def load(path: str) -> None:
+        state = torch.load(path, weights_only=True)
+        for k in loads:
+            if k in parts:
+                parts[k].load_state_dict(state[k])
+        if "rng" in loads:
+            torch.set_rng_state(state["rng"])
+
+    return dict(model=model, optimizer=opt, batches=loader(8), step=stepping(sched),
+                save=save, load=load)  # fmt: skip
+
+
+EVERYTHING = ("model", "optimizer", "scheduler", "rng")
+
+
+def setup_resume_without_scheduler(fixed: bool) -> dict[str, Any]:
+    """https://github.com/D-X-Y/NAS-Bench-201/issues/19 (and
+    https://github.com/PolymathicAI/the_well/issues/77): the checkpoint holds the model and the
+    optimizer but not the LR scheduler: a resumed run starts the schedule over."""
+    return resume_setup(EVERYTHING if fixed else ("model", "optimizer", "rng"))
+
+
+def setup_resume_weights_only(fixed: bool) -> dict[str, Any]:
+    """https://github.com/CodefyUI/CodefyUI/issues/118: a resume restores only the weights; the
+    optimizer is built anew (Adam's moments and step counts lost)."""
+    return resume_setup(EVERYTHING if fixed else ("model", "scheduler", "rng"))
+
+
+def setup_resume_without_rng(fixed: bool) -> dict[str, Any]:
+    """The RNG states left out of the checkpoint: dropout draws other masks after a resume."""
+    return resume_setup(EVERYTHING if fixed else ("model", "optimizer", "scheduler"))
+
+
+def setup_resume_loads_weights_only(fixed: bool) -> dict[str, Any]:
+    """https://github.com/NVIDIA-NeMo/Automodel/issues/763 (held out): the checkpoint holds the
+    optimizer and the step scheduler, but the resume never loads them: the lr starts over."""
+    return resume_setup(EVERYTHING, None if fixed else ("model", "rng"))
+
+
 BUILT: list[tuple[str, Callable[[bool], dict[str, Any]], str]] = [
     ("lr_collapse", setup_steplr_per_batch, "warning"),
     ("lr_collapse", setup_cosine_per_batch, "warning"),
     ("ema_off_decay", setup_ema_sign, "error"),
     ("ema_before_step", setup_ema_before_step, "warning"),
     ("sampler_epoch", setup_sampler_epoch, "info"),
+    ("lr_collapse", setup_plateau_per_batch, "warning"),
+    ("resume_mismatch", setup_resume_without_scheduler, "error"),
+    ("resume_mismatch", setup_resume_weights_only, "error"),
+    ("resume_mismatch", setup_resume_without_rng, "error"),
 ]
 # kind, buggy setup, clean twin, the severity the bug earns (tests/doctor/test_zoo.py's shape)
 CASES: list[tuple[str, Setup, Setup, str]] = [
@@ -162,5 +242,6 @@ def setup_sampler_never_shuffles(fixed: bool) -> dict[str, Any]:
 HELD_OUT: list[tuple[str, Callable[[bool], dict[str, Any]], str]] = [
     ("lr_collapse", setup_srgan_steplr, "warning"),
     ("ema_off_decay", setup_ema_beta_backwards, "error"),
+    ("resume_mismatch", setup_resume_loads_weights_only, "error"),
     ("sampler_epoch", setup_sampler_never_shuffles, "warning"),
 ]

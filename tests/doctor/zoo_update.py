@@ -110,6 +110,110 @@ def setup_hand_written_without_zero_grad(fixed: bool) -> dict[str, Any]:
     return mlp_setup(step=step, batches=features(4))
 
 
+# -- actor-critic: the actor's loss against the critic ---------------------------------------
+
+
+class ActorCritic(nn.Module):
+    """A policy over 4 actions and a value head on 8 state features: two networks, or one
+    shared trunk with two heads."""
+
+    def __init__(self, *, shared: bool) -> None:
+        super().__init__()
+        self.shared = shared
+        self.trunk = nn.Linear(8, 16) if shared else nn.Identity()
+        width = 16 if shared else 8
+        self.actor = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.critic = nn.Sequential(nn.Linear(width, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.trunk(s)) if self.shared else s
+        return self.actor(h), self.critic(h).squeeze(-1)  # logits (B, 4), values (B,)
+
+
+def rollouts(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(states (8, 8), actions (8,), returns (8,)) of a few recorded episodes."""
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g),
+             torch.randn(8, generator=g)) for _ in range(n)]  # fmt: skip
+
+
+def ac_setup(step: Any, *, shared: bool, **kw: Any) -> dict[str, Any]:
+    model = seeded(lambda: ActorCritic(shared=shared))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return dict(model=model, optimizer=opt, batches=rollouts(), step=step, **kw)
+
+
+def setup_actor_critic_summed(fixed: bool) -> dict[str, Any]:
+    """https://github.com/astariul/encode-attend-navigate-pytorch/issues/2: the policy loss
+    uses the critic's TD error (reward - prediction) without stopping its gradient; actor and
+    critic losses are summed and one optimizer steps both networks."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        s, a, r = batch
+        logits, predictions = model(s)
+        log_prob = F.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1)
+        td_error = r - predictions
+        if fixed:
+            td_error = td_error.detach()
+        actor_loss = (td_error * log_prob).mean()  # BUG (unfixed): trains the critic too
+        critic_loss = F.mse_loss(predictions, r)
+        opt.zero_grad()
+        (-actor_loss + critic_loss).backward()
+        opt.step()
+        return critic_loss.detach()
+
+    return ac_setup(step, shared=False)
+
+
+def setup_actor_critic_shared_heads(fixed: bool) -> dict[str, Any]:
+    """https://github.com/keras-team/keras-io/issues/194: one model with a shared layer, an
+    action head and a critic head; the actor's loss is log pi * (return - value), value not
+    stopped, so the policy gradient flows into the critic head and the shared layer."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        s, a, ret = batch
+        logits, value = model(s)
+        log_prob = torch.distributions.Categorical(logits=logits).log_prob(a)
+        diff = ret - (value.detach() if fixed else value)  # BUG (unfixed): not stopped
+        actor_losses = -log_prob * diff
+        critic_losses = F.huber_loss(value, ret, reduction="none")
+        loss = actor_losses.sum() + critic_losses.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return ac_setup(step, shared=True)
+
+
+def setup_actor_critic_separate_optimizers(fixed: bool) -> dict[str, Any]:
+    """The planted form with two optimizers: the actor's backward runs first and the critic's
+    gradient from it is still there when the critic's loss adds its own and the critic steps
+    (the twin clears the critic's gradient before its own backward: harmless by design)."""
+    model = seeded(lambda: ActorCritic(shared=False))
+    opts = [torch.optim.Adam(model.actor.parameters(), lr=1e-3),
+            torch.optim.Adam(model.critic.parameters(), lr=1e-3)]  # fmt: skip
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        actor_opt, critic_opt = opts
+        s, a, r = batch
+        logits, v = model(s)
+        log_prob = F.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1)
+        actor_opt.zero_grad()
+        if not fixed:
+            critic_opt.zero_grad()
+        (-(log_prob * (r - v)).mean()).backward(retain_graph=True)  # not detached in either
+        actor_opt.step()
+        if fixed:
+            critic_opt.zero_grad()  # clears what the actor's loss left in the critic
+        critic_loss = F.mse_loss(v, r)
+        critic_loss.backward()  # BUG (unfixed): adds to the actor's gradient in the critic
+        critic_opt.step()
+        return critic_loss.detach()
+
+    return dict(model=model, optimizer=opts, batches=rollouts(), step=step, loss_falls=False)
+
+
 # -- held out (update_reports.md): rebuilt once the checks were done -----------------------
 
 
@@ -184,9 +288,33 @@ def setup_alpaca_policy_zero_grad(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opt, batches=features(4), step=step)
 
 
+def setup_a3c_shared_network(fixed: bool) -> dict[str, Any]:
+    """https://github.com/coreylynch/async-rl/issues/8: A3C on one network with policy and
+    value outputs; the policy loss log pi(a|s) * (R - V(s)) has no stop_gradient on V, and an
+    entropy bonus is added to the loss."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        s, a, R = batch
+        logits, V = model(s)
+        probs = F.softmax(logits, -1)
+        log_prob = torch.log(probs.gather(1, a[:, None]).squeeze(1) + 1e-8)
+        entropy = -(probs * torch.log(probs + 1e-8)).sum(1)
+        advantage = R - V
+        policy_loss = -(log_prob * (advantage.detach() if fixed else advantage)).sum()  # BUG
+        value_loss = advantage.pow(2).sum()
+        loss = policy_loss + 0.5 * value_loss - 0.01 * entropy.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return ac_setup(step, shared=True)
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
+    ("advantage_not_detached", setup_a3c_shared_network, "error"),
 ]
 
 
@@ -200,6 +328,9 @@ BUGS: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_clip_before_unscale, "error"),
     ("gradient_discarded", setup_zero_grad_per_micro_batch, "error"),
     ("stale_gradient", setup_hand_written_without_zero_grad, "error"),
+    ("advantage_not_detached", setup_actor_critic_summed, "error"),
+    ("advantage_not_detached", setup_actor_critic_shared_heads, "error"),
+    ("advantage_not_detached", setup_actor_critic_separate_optimizers, "error"),
 ]
 
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES

@@ -160,6 +160,8 @@ def examine(
     samples_interact: bool = False,
     loss_falls: bool | None = None,
     total_steps: int | None = None,
+    save: Callable[[str], Any] | None = None,
+    load: Callable[[str], Any] | None = None,
     rank_timeout: float = 120.0,
 ) -> Diagnosis:
     """Find the hidden side effects of a training setup; each a Finding with evidence and fix.
@@ -187,6 +189,8 @@ def examine(
     =False` when the loss is not meant to fall (adversarial; the default judges it unless
     there are several optimizers or task="gan"). `total_steps`: the optimizer steps of your
     whole run, to judge the learning-rate schedule over it (else one epoch of a DataLoader).
+    `save(path)` and `load(path)`: your own checkpoint code, writing and reading everything a
+    resume needs at `path`; a run resumed by them is compared with one not interrupted.
 
     Under a process group, call it on every rank: the ranks are compared too (replicas,
     gradients, data, collectives), each exchange waiting at most `rank_timeout` seconds.
@@ -194,6 +198,8 @@ def examine(
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
     _refuse_bad_arguments(model, task, total_steps, step, epoch)
+    if (save is None) != (load is None):
+        raise ValueError("pass save=your_save(path) and load=your_load(path) together")
     optimizers = optimizers_in(optimizer)
     families, kinds = _selected(checks)
     started = time.perf_counter()
@@ -204,6 +210,7 @@ def examine(
         eval_fn, task, step is None and epoch is None, rng, source=batches, forward=forward,
         samples_interact=samples_interact, loss_falls=loss_falls, total_steps=total_steps,
         asked=frozenset(kinds if not isinstance(checks, str) else ()),
+        checkpoint=(save, load) if save is not None else None,
     )  # fmt: skip
     try:
         found = _run_all(ctx, families, kinds, rank_timeout)

@@ -53,16 +53,17 @@ def at(batch: Any, path: Path) -> Any:
     return batch
 
 
-def draw(loader: DataLoader[Any], indices: Sequence[int]) -> list[Any]:
-    """The user's dataset read at `indices` in one worker process, each sample collated alone
-    by the user's collate_fn; CannotRun when the worker cannot read it."""
+def draw(loader: DataLoader[Any], indices: Sequence[int], *, seed: int = 0) -> list[Any]:
+    """The user's dataset read at `indices` in one worker process (its base seed from `seed`),
+    each sample collated alone by the user's collate_fn; CannotRun when the worker cannot
+    read it."""
     context = loader.multiprocessing_context
     if context is None and "fork" in multiprocessing.get_all_start_methods():
         context = "fork"  # a copy of the dataset as it is, nothing pickled
     probe = DataLoader(
         loader.dataset, batch_size=1, sampler=list(indices), num_workers=1,
         collate_fn=loader.collate_fn, worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=context, generator=torch.Generator().manual_seed(0),
+        multiprocessing_context=context, generator=torch.Generator().manual_seed(seed),
         timeout=_TIMEOUT_S,
     )  # fmt: skip
     try:

@@ -74,14 +74,16 @@ class Context:
     ranks: Any = None  # the doctor's link between ranks (a ranks.link.Ranks) under a process group
     forward: Callable[[nn.Module, Any], Any] | None = None  # the user's: how to call the model
     total_steps: int | None = None  # the user's declaration: optimizer steps in the whole run
+    checkpoint: tuple[Any, Any] | None = None  # the user's (save(path), load(path)) pair
     snapshot: Snapshot = field(init=False)
     step_state: StepState = field(init=False)
     settled: bool = field(init=False)  # DDP's reducer waited for nothing when examine began
 
     def __post_init__(self) -> None:
         self.snapshot = Snapshot(self.model, self.optimizers)
+        handed = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         self.step_state = StepState(
-            self.step, self.eval_fn, skip=[*self.model.modules(), *self.optimizers]
+            self.step, self.eval_fn, skip=[*self.model.modules(), *self.optimizers], objects=handed
         )
         self.settled = not (_is_ddp(self.model) and ddp_reduction_pending(self.model))
 

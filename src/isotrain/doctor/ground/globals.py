@@ -167,9 +167,15 @@ def _bound(space: Any, name: str, held: Any) -> Any:
 class StepState:
     """The globals and closure cells the user's functions read, as they were when this was
     made (functions that are None are left out; objects in `skip`, the model examine restores
-    itself, are not kept)."""
+    itself, are not kept), and the contents of `objects` the step is handed (an optimizer
+    wrapper's own call counter)."""
 
-    def __init__(self, *fns: Callable[..., Any] | None, skip: Iterable[Any] = ()) -> None:
+    def __init__(
+        self,
+        *fns: Callable[..., Any] | None,
+        skip: Iterable[Any] = (),
+        objects: Iterable[Any] = (),
+    ) -> None:
         self.skip = {id(o) for o in skip}
         self.slots: list[tuple[Any, str, Any, Any]] = []  # (namespace, name, value, saved)
         saver = _Saver(self.skip)
@@ -177,6 +183,9 @@ class StepState:
             owner = getattr(getattr(f, "__wrapped__", f), "__self__", None)
             if owner is not None and _kept(owner, self.skip) and not isinstance(owner, type):
                 self.slots.append((None, "self", owner, saver.save(owner, "self")))
+        for o in objects:  # handed to the step, itself for good: its contents put back
+            if _kept(o, self.skip):
+                self.slots.append((None, "handed", o, saver.save(o, "handed")))
         for f in _functions(*[f for f in fns if f is not None]):
             for name in f.__code__.co_names:
                 if name in f.__globals__ and _kept(f.__globals__[name], self.skip):

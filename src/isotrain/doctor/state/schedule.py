@@ -11,6 +11,7 @@ not, nor one that restarts by design (warm restarts, cyclic) and comes back up. 
 rate the step sets by hand is judged on the traced calls: no run wants it to fall 100x
 within them. Under epoch=, per batch or per epoch as the epoch function steps them (NOTE
 [schedules under epoch=]).
+A ReduceLROnPlateau your step steps is judged on the metrics it hands it (plateau).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from isotrain.doctor.ground.context import Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.trace import Trace, trace_ok
+from isotrain.doctor.state.plateau import PlateauRun, plateau_run, stepped_on
 
 __all__ = ["LR_COLLAPSE", "check_lr"]
 
@@ -63,6 +65,9 @@ def check_lr(ctx: Context) -> list[Finding]:
         )]  # fmt: skip
     if ctx.per_epoch:
         return _over_epochs(ctx, tr)
+    plateau = plateau_run(ctx)
+    if plateau is not None:
+        return _plateau_collapse(ctx, tr, plateau)
     stepped = [(sched, one, 0.0) for sched, one, _ in _stepped(ctx, _steps_once(ctx))]
     if not stepped:
         return []
@@ -140,6 +145,23 @@ def _epoch_length(source: Any) -> int | None:
         return len(source) or None
     except TypeError:  # an iterable dataset without a length
         return None
+
+
+def _plateau_collapse(ctx: Context, tr: Trace, plateau: PlateauRun) -> list[Finding]:
+    """lr_collapse of a ReduceLROnPlateau your step steps (NOTE [plateau per call])."""
+    run, said = _run_length(ctx, tr)
+    found = _collapse(stepped_on(ctx, plateau, min(run, MAX_RUN)), run / 2, stays=False)
+    if found is None:
+        return []
+    group, peak, low, at = found
+    return [Finding(
+        "lr_collapse", "warning", _sched_line(tr),
+        f"{plateau.describe()}, repeated, the learning rate of param group {group} falls "
+        f"below 1/100 of its peak ({peak:.3g} -> {low:.3g}) after {at} of the run's {run} "
+        f"calls of your step ({said})",
+        "step ReduceLROnPlateau once per epoch, after validation, with the validation metric: "
+        "scheduler.step(val_loss)",
+    )]  # fmt: skip
 
 
 def _run_length(ctx: Context, tr: Trace) -> tuple[int, str]:

@@ -19,6 +19,7 @@ from isotrain.doctor.ground.probe import probe, probe_ok
 
 __all__ = ["LEARNING", "OPTIMIZER", "check_learning", "check_optimizer", "name_list"]
 
+STEP_CALLS = 8  # calls of the step followed to the first that runs optimizer.step()
 ZERO_STEPS = 4  # steps over which an exactly zero gradient must stay zero to be reported
 _BIASED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -147,13 +148,54 @@ def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:
             "between backward and step",
         ))  # fmt: skip
     if rest:
-        out.append(Finding(
-            "params_unchanged", sev(rest), name_list(rest),
-            f"{len(rest)} of {len(reached)} parameter(s) had a nonzero gradient at "
-            "optimizer.step() and did not change",
-            "check the group's learning rate (0, or a schedule that starts at 0)",
-        ))  # fmt: skip
+        out += _not_moved(ctx, rest, sev(rest))
     return out + (_structural_zeros(ctx, zero) if zero else [])
+
+
+def _not_moved(ctx: Context, names: list[str], severity: Severity) -> list[Finding]:
+    """params_unchanged for parameters with a nonzero gradient that the step left as they
+    were, judged at the first call that runs optimizer.step() (NOTE [steps every k calls])."""
+    found = _stepping_call(ctx)
+    if found is None:
+        return [Finding(
+            "params_unchanged", "info", name_list(names),
+            f"not checked: none of {STEP_CALLS} calls of your step from examine's state ran "
+            "optimizer.step() (gradient accumulation over more calls?)",
+            "-",
+        )]  # fmt: skip
+    call, changed = found
+    still = [n for n in names if n not in changed]
+    if not still:
+        return []
+    at = "optimizer.step()" if call == 1 else f"the optimizer.step() of call {call}"
+    return [Finding(
+        "params_unchanged", severity, name_list(still),
+        f"{len(still)} parameter(s) had a nonzero gradient at {at} and did not change",
+        "check the group's learning rate (0, or a schedule that starts at 0)",
+    )]  # fmt: skip
+
+
+# NOTE [steps every k calls]
+# A loop that accumulates gradients over calls of its step (a call counter, Accelerate's
+# accumulate) runs optimizer.step() on every k-th call only: the first call moves nothing, by
+# design. The parameters are judged at the first call, from examine's state, that steps.
+def _stepping_call(ctx: Context) -> tuple[int, set[str]] | None:
+    """(the 1-based number of the first call that ran optimizer.step(), the parameters that
+    call changed), over up to STEP_CALLS calls; None when no call stepped."""
+    model, opt = ctx.fresh()
+    params = params_of(model)
+    stepped: list[bool] = []
+    handles = [o.register_step_post_hook(lambda *_: stepped.append(True)) for o in ctx.optimizers]
+    try:
+        for i in range(STEP_CALLS):
+            before = {n: p.detach().clone() for n, p in params.items()}
+            ctx.run_step(model, opt, ctx.batches[i % len(ctx.batches)])
+            if stepped:
+                return i + 1, {n for n, p in params.items() if not torch.equal(p, before[n])}
+    finally:
+        for h in handles:
+            h.remove()
+    return None
 
 
 def _structural_zeros(ctx: Context, names: list[str]) -> list[Finding]:
