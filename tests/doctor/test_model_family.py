@@ -206,3 +206,22 @@ def test_a_batch_without_padding_has_nothing_to_leak() -> None:
                 for b in zm.padded_batches()]  # fmt: skip
     setup = {**_encoder("inverted"), "batches": unpadded}
     assert examine(**setup, checks=["padding_leak"]).findings == []
+
+
+# -- held out until the checks were done, rebuilt once (model_reports.md) ---------------------
+def test_held_out_relations_in_dicts_is_named() -> None:
+    kind = "unregistered_parameter"
+    f = one(examined_untouched(zm.setup_relations_in_dicts(False), checks=[kind]), kind)
+    assert f.severity == "error" and f.where.startswith("waggrs['0']['w'], list_relations['0']")
+    assert f.evidence.startswith("the forward computes with 12 Parameter(s) (144 values)")
+
+
+def test_held_out_sasrec_is_missed_as_recorded() -> None:
+    """The model's first argument is the (B,) user ids, so the input the doctor perturbs has
+    no time axis and the left padding of `log_seqs` is never changed: nothing is named."""
+    assert examine(**zm.setup_sasrec_no_key_mask(False), checks=["padding_leak"]).findings == []
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), zm.HELD_OUT, ids=_id)
+def test_held_out_twin_is_clean(kind: str, make: Any, severity: str | None) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))

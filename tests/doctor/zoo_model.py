@@ -125,3 +125,107 @@ BUILT: list[tuple[str, Any, str]] = [
 CASES: list[tuple[str, Any, Any, str]] = [
     (kind, partial(make, False), partial(make, True), sev) for kind, make, sev in BUILT
 ]
+
+
+# -- held out until the checks were done (model_reports.md), rebuilt once ---------------------
+class Relations(nn.Module):
+    """pytorch#632: per-relation weights kept in dicts (ParameterDict/ModuleDict when fixed)."""
+
+    def __init__(self, fixed: bool) -> None:
+        super().__init__()
+        waggrs = {str(r): {"w": nn.Parameter(1.0 + torch.randn(1, 8)),
+                           "b": nn.Parameter(torch.zeros(1, 4))} for r in range(3)}  # fmt: skip
+        relations = {str(r): nn.Linear(8, 4) for r in range(3)}
+        if fixed:
+            self.waggrs = nn.ModuleDict({r: nn.ParameterDict(d) for r, d in waggrs.items()})
+            self.list_relations: Any = nn.ModuleDict(relations)
+        else:  # BUG: plain dicts register nothing
+            self.waggrs, self.list_relations = waggrs, relations  # type: ignore[assignment]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = [self.list_relations[r](x * self.waggrs[r]["w"]) + self.waggrs[r]["b"]
+               for r in self.list_relations]  # fmt: skip
+        return torch.stack(out).sum(0)
+
+
+def setup_relations_in_dicts(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/pytorch/issues/632: `self.waggrs[rel] = {'w': nn.Parameter
+    (...), 'b': nn.Parameter(...)}` and `self.list_relations[rel] = nn.Linear(...)`, in dicts.
+    The model's own parameters are empty when broken, so a stand-in keeps the optimizer legal."""
+    model = seeded(lambda: Relations(fixed))
+    params = list(model.parameters()) or [nn.Parameter(torch.zeros(1))]
+    return dict(model=model, optimizer=torch.optim.Adam(params, lr=1e-3),
+                batches=features(2), loss_fn=ce)  # fmt: skip
+
+
+class SASRec(nn.Module):
+    """pmixer/SASRec.pytorch's model, one block: left-padded item sequences, causal attention;
+    its key padding mask commented out (fixed: real positions never attend to padding)."""
+
+    def __init__(self, fixed: bool, items: int = 20, maxlen: int = 8, d: int = 16) -> None:
+        super().__init__()
+        self.fixed, self.d = fixed, d
+        self.item_emb = nn.Embedding(items + 1, d, padding_idx=0)
+        self.pos_emb = nn.Embedding(maxlen, d)
+        self.attn_norm, self.ffn_norm, self.last_norm = (nn.LayerNorm(d) for _ in range(3))
+        self.attn = nn.MultiheadAttention(d, 1, dropout=0.2, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Dropout(0.2), nn.Linear(d, d))
+
+    def log2feats(self, log_seqs: torch.Tensor) -> torch.Tensor:
+        T = log_seqs.shape[1]
+        seqs = self.item_emb(log_seqs) * self.d**0.5 + self.pos_emb(torch.arange(T))[None]
+        timeline_mask = log_seqs == 0  # (B, T) True at padding
+        seqs = seqs * ~timeline_mask.unsqueeze(-1)
+        causal = ~torch.tril(torch.ones(T, T, dtype=torch.bool))
+        mask: torch.Tensor = causal
+        if self.fixed:  # a real query never sees padding; a pad query sees the pads before it
+            key_pad = timeline_mask[:, None, :] & ~timeline_mask[:, :, None]
+            mask = causal[None] | key_pad  # (B, T, T), one head
+        q = self.attn_norm(seqs)
+        # BUG (fixed=False): key_padding_mask=timeline_mask is commented out upstream
+        seqs = q + self.attn(q, seqs, seqs, attn_mask=mask, need_weights=False)[0]
+        seqs = seqs + self.ffn(self.ffn_norm(seqs))
+        return self.last_norm(seqs * ~timeline_mask.unsqueeze(-1))
+
+    def forward(self, user_ids: Any, log_seqs: Any, pos_seqs: Any, neg_seqs: Any) -> Any:
+        feats = self.log2feats(log_seqs)
+        pos = (feats * self.item_emb(pos_seqs)).sum(-1)
+        return pos, (feats * self.item_emb(neg_seqs)).sum(-1)
+
+
+def _sasrec_batches(n: int = 2) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(6)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(1, 21, (4, 9), generator=g)
+        lengths = torch.tensor([9, 6, 4, 7])
+        seq = seq.masked_fill(torch.arange(9).flip(0)[None] >= lengths[:, None], 0)  # left pad
+        neg = torch.randint(1, 21, (4, 8), generator=g).masked_fill(seq[:, 1:] == 0, 0)
+        out.append((torch.arange(4), seq[:, :-1], seq[:, 1:], neg))
+    return out
+
+
+def sasrec_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """BCE of the next item against one negative, over the real positions (no host sync)."""
+    u, seq, pos, neg = batch
+    pos_logits, neg_logits = model(u, seq, pos, neg)
+    real = (pos != 0).float()
+    bce = F.binary_cross_entropy_with_logits
+    each = bce(pos_logits, torch.ones_like(pos_logits), reduction="none") + bce(
+        neg_logits, torch.zeros_like(neg_logits), reduction="none"
+    )
+    return (each * real).sum() / real.sum()
+
+
+def setup_sasrec_no_key_mask(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pmixer/SASRec.pytorch/issues/36: `key_padding_mask=timeline_mask`
+    commented out; real items attend to the left padding's (zeroed) states."""
+    model = seeded(lambda: SASRec(fixed))
+    return dict(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+                batches=_sasrec_batches(), loss_fn=sasrec_loss)  # fmt: skip
+
+
+HELD_OUT: list[tuple[str, Any, str | None]] = [
+    ("unregistered_parameter", setup_relations_in_dicts, "error"),
+    ("padding_leak", setup_sasrec_no_key_mask, None),  # missed: model_reports.md says why
+]
