@@ -33,7 +33,7 @@ from isotrain.doctor.ranks import link as ranks_mod
 
 WORLD = 2
 ACROSS = ["replica_divergence", "gradient_not_synchronized", "same_data_on_ranks",
-          "collective_mismatch"]  # fmt: skip
+          "gradient_scaled_by_world", "collective_mismatch", "data_split_across_ranks"]  # fmt: skip
 SEED_OF_FAULTS = 7  # random.Random(7): its first draw below 0.01 is the 107th
 
 

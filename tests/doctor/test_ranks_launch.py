@@ -1,6 +1,8 @@
 """`isotrain doctor --nproc-per-node 2 FILE.py`: the guide's command (docs/ranks.md), run as a
 user types it, starts two gloo ranks through torchrun's launcher; rank 0 prints the one merged
-table, the exit status is the doctor's, and nothing of torchrun's reaches the output."""
+table, the exit status is the doctor's, and nothing of torchrun's reaches the output, with
+torchrun's node flags (one node of a job across machines) too. Under plain torchrun the same
+table comes once and torchrun's failure summary names that command."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from tests.guides import DOCS, fenced, section
-from tests.worlds import ENV
+from tests.worlds import ENV, free_port
 
 from isotrain.train.cli.main import main
 
@@ -28,21 +30,29 @@ def _page() -> str:
     return section(DOCS / "ranks.md", "# Across ranks")
 
 
-def _command() -> list[str]:
-    """The guide's launcher command, as argv for `python -m isotrain`."""
-    (line,) = [c for c in fenced(_page(), "bash") if "--nproc-per-node" in c]
-    words = shlex.split(line)
-    assert words[:3] == [".venv/bin/isotrain", "doctor", "--nproc-per-node"], words
-    return words[1:]
+def _commands() -> list[list[str]]:
+    """The guide's launcher commands (one machine; one node of several), as argv for
+    `python -m isotrain`, the rendezvous port a free one."""
+    lines = [c for c in fenced(_page(), "bash") if "isotrain doctor --nproc-per-node" in c]
+    out = []
+    for line in lines:
+        words = shlex.split(line.replace("\\\n", " ").replace("29500", str(free_port())))
+        assert words[:3] == [".venv/bin/isotrain", "doctor", "--nproc-per-node"], words
+        out.append(words[1:])
+    return out
 
 
-def _isotrain(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _isotrain(
+    argv: list[str], cwd: Path, *, under: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`python -m isotrain ARGV` (under `python -m torch.distributed.run UNDER`, if given)."""
     env = {k: v for k, v in os.environ.items() if k not in ENV}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    launcher = ["-m", "torch.distributed.run", *under] if under else []
     return subprocess.run(
-        [sys.executable, "-m", "isotrain", *argv], cwd=cwd, env=env, capture_output=True,
-        text=True, timeout=300,
+        [sys.executable, *launcher, "-m", "isotrain", *argv], cwd=cwd, env=env,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
 
@@ -58,16 +68,26 @@ def test_the_guides_command_prints_one_table_and_exits_with_the_doctors_status(
     (tmp_path / "ddp_example.py").write_text(example)
     (tmp_path / "ddp_fixed.py").write_text(example + fixed)
     (shown,) = [b for b in fenced(_page(), "text") if b.startswith("SEVERITY")]
-    argv = _command()
+    one_machine, one_node = _commands()
+    assert one_node[:3] == one_machine[:3] and "--rdzv-endpoint" in one_node
 
-    bug = _isotrain(argv, tmp_path)
+    bug = _isotrain(one_machine, tmp_path)
     assert (bug.returncode, bug.stderr) == (1, STARTING)  # no traceback, no torchrun summary
     assert _timing_free(bug.stdout) == _timing_free(shown)
 
-    clean = _isotrain([w.replace("ddp_example", "ddp_fixed") for w in argv], tmp_path)
+    clean = _isotrain([w.replace("ddp_example", "ddp_fixed") for w in one_node], tmp_path)
     assert (clean.returncode, clean.stderr) == (0, STARTING)
     assert clean.stdout.startswith("SEVERITY KIND") and clean.stdout.count("SEVERITY") == 1
     assert "\n0 error(s), 0 warning(s), 4 info" in clean.stdout
+
+    under = ("--standalone", "--nproc-per-node", "2")  # plain torchrun: its status, its summary
+    plain = _isotrain(["doctor", *one_machine[3:]], tmp_path, under=under)
+    assert plain.returncode == 1 and _timing_free(plain.stdout) == _timing_free(shown)
+    assert (
+        "traceback : isotrain doctor: error findings (replica_divergence): rank 0's table is "
+        "above (isotrain doctor --nproc-per-node N FILE.py, with torchrun's --nnodes"
+        in plain.stderr
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,6 +96,8 @@ def test_the_guides_command_prints_one_table_and_exits_with_the_doctors_status(
         (["--nproc-per-node", "2", "--trainer"], "--nproc-per-node N runs FILE.py's setup on N"),
         (["--nproc-per-node", "2", "nothere.py"], "nothere.py: no such Python file"),
         (["--nproc-per-node", "0", "x.py"], "--nproc-per-node 0 is not a positive integer"),
+        (["--nnodes", "2", "x.py"], "--nnodes goes with --nproc-per-node N: isotrain doctor"),
+        (["--nproc-per-node", "2", "--rdzv_endpoint"], "--rdzv_endpoint needs a value"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_worker_starts(argv, error, capsys) -> None:

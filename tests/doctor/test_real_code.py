@@ -4,13 +4,16 @@ no warning, no doctor_error, everything put back, and the fast checks well insid
 
 from __future__ import annotations
 
+import hashlib
 import time
+import types
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tests.doctor.test_trust import examined_untouched, no_alarm, state_hash
+from tests.doctor.zoo_loops import mnist_epoch
 from tests.doctor.zoo_real import REAL
 from torch import nn
 
@@ -239,4 +242,141 @@ def test_eval_fn_gets_the_users_loader_and_its_failure_is_information() -> None:
     assert (f.kind, f.severity) == ("rng_leak", "info")
     assert (
         f.evidence == "not checked: your eval_fn raised KeyError ('images') on the examined batches"
+    )
+
+
+def test_a_log_line_every_few_batches_of_an_epoch_function_is_not_a_per_step_sync() -> None:
+    """mnist's `if batch_idx % log_interval == 0: ... loss.item()`: judged over the epoch
+    function run on all six batches, it syncs once, not on every batch; logged on every batch,
+    it is the per-batch sync a step's would be."""
+    (f,) = examine(**mnist_epoch(), checks=["host_sync"]).findings
+    assert (f.severity, f.where) == ("info", "tests/doctor/zoo_loops.py:70")
+    assert f.evidence.startswith(
+        "1 sync(s) from .item() / float(t) / bool(t) / `if t:` / print(t) in one call of your "
+        "epoch function over 6 batches and 1 over 1 batch: not on every batch"
+    )
+    (f,) = examine(**mnist_epoch(log_interval=1), checks=["host_sync"]).findings
+    assert (f.severity, f.where) == ("warning", "tests/doctor/zoo_loops.py:70")
+    assert f.evidence.startswith(
+        "1 sync(s) per batch from .item() / float(t) / bool(t) / `if t:` / print(t) (6 in one "
+        "call of your epoch function over 6 batches)"
+    )
+
+
+def test_an_epoch_functions_schedule_is_judged_over_the_declared_run() -> None:
+    """StepLR(1, 0.7) after each of 14 epochs keeps 8% of its lr at half the run; the same
+    scheduler stepped inside the batch loop, or StepLR(4, 0.1) over 90 epochs, spends it."""
+    assert examine(**mnist_epoch(), checks=["lr_collapse"]).findings == []
+    (f,) = examine(**mnist_epoch(per_batch=True), checks=["lr_collapse"]).findings
+    assert f.severity == "warning" and f.evidence.endswith(
+        "after 13 of the run's 84 batches (total_steps=84), its schedulers stepped as your epoch "
+        "function steps them (StepLR.step() x1 per batch)"
+    )
+    short = mnist_epoch(step_size=4, gamma=0.1, epochs=90)
+    (f,) = examine(**short, checks=["lr_collapse"]).findings
+    assert f.severity == "warning" and f.evidence.endswith(
+        "after 12 of the run's 90 epochs (total_steps=540, 6 batches an epoch), its schedulers "
+        "stepped as your epoch function steps them (StepLR.step() x1 per epoch)"
+    )
+    imagenet = mnist_epoch(step_size=30, gamma=0.1, epochs=90)  # pytorch/examples imagenet's
+    assert examine(**imagenet, checks=["lr_collapse"]).findings == []
+    undeclared = mnist_epoch(step_size=4, gamma=0.1, epochs=90)
+    del undeclared["total_steps"]  # the run's epochs unknown: a per-epoch schedule not judged
+    assert examine(**undeclared, checks=["lr_collapse"]).findings == []
+
+
+def _deep_hash(*objects: Any) -> str:
+    """sha256 over everything reachable through the user's objects' attributes, dicts and
+    lists: tensor bytes, plain values, attribute names."""
+    h = hashlib.sha256()
+    seen: set[int] = set()
+
+    def feed(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(value, (nn.Module, torch.optim.Optimizer)):
+            h.update(state_hash(value).encode())
+        elif id(value) in seen:
+            h.update(b"<seen>")
+        elif isinstance(value, dict):
+            seen.add(id(value))
+            for k in sorted(value, key=str):
+                h.update(str(k).encode())
+                feed(value[k])
+        elif isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for v in value:
+                feed(v)
+        elif hasattr(value, "__dict__"):
+            seen.add(id(value))
+            feed(vars(value))
+        else:
+            h.update(repr(value).encode())
+
+    for obj in objects:
+        feed(obj)
+    return h.hexdigest()
+
+
+def test_state_three_levels_below_the_step_comes_back_bit_for_bit() -> None:
+    """A Trainer (its train_step a bound method) holding an EMA helper holding its shadow dict
+    and counter: all of it as before, the attribute the first step creates gone again."""
+    setup = REAL["nested_trainer"]()
+    trainer = setup["step"].__self__
+    shadow = trainer.ema.state.shadow
+    before = _deep_hash(trainer)
+    d = examined_untouched(setup, checks="all")
+    assert d.of("doctor_error") == [] and d.of("global_state_leak") == [], d
+    assert _deep_hash(trainer) == before
+    assert trainer.ema.state.shadow is shadow and trainer.ema.state.steps == 0
+    assert not hasattr(trainer.ema.state, "last_loss")
+    closed_over = REAL["nested_trainer"]()
+    kept = closed_over["step"].__self__
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        return kept.train_step(model, opt, batch)
+
+    before = _deep_hash(kept)
+    examined_untouched({**closed_over, "step": step}, checks="fast")
+    assert _deep_hash(kept) == before
+
+
+def test_state_past_the_bounds_is_named_not_silently_kept() -> None:
+    """A chain of objects deeper than the doctor follows: its end named as information."""
+    setup = REAL["nested_trainer"]()
+    trainer = setup["step"].__self__
+    link = trainer.ema.state
+    for _ in range(10):
+        link.next = types.SimpleNamespace(count=0)
+        link = link.next
+    (f,) = examine(**setup, checks=["global_state_leak"]).findings
+    assert (f.kind, f.severity, f.where) == ("global_state_leak", "info", "your step's state")
+    assert f.evidence.startswith(
+        "not put back after examine: self.ema.state.next.next.next.next.next.next.next, past 8 "
+        "levels or 4096 objects of what your step reads by name"
+    )
+
+
+def test_a_gradient_norm_measured_with_max_norm_inf_is_no_nonfinite_forward() -> None:
+    """clip_grad_norm_(params, inf) makes inf inside (max_norm / norm) and clamps it to 1; an
+    inf the step passes that reaches its loss is still named."""
+    setup = REAL["grad_norm_measured"]()
+    assert examine(**setup, checks=["nonfinite_forward"]).findings == []
+
+    def step(model: nn.Module, opt: Any, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x) * float("inf"), y)  # a temperature of inf, inverted
+        loss.backward()
+        opt.step()
+        return loss
+
+    d = examine(**{**setup, "step": step}, checks=["nonfinite_forward"])
+    (f,) = d.findings
+    assert (f.kind, f.severity) == ("nonfinite_forward", "error")
+    assert f.where.endswith("test_real_code.py:370"), f.where
+    assert f.evidence.startswith(
+        "mul turned a NaN/Inf number your code passed it into the step's first NaN/Inf (outside "
+        "any module), and the loss or a gradient at the update is not finite"
     )

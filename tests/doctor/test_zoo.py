@@ -19,6 +19,7 @@ from tests.doctor import (
     zoo_reports,
     zoo_state,
     zoo_update,
+    zoo_world,
 )
 from tests.doctor.zoo import lm_setup, mlp_setup
 
@@ -154,7 +155,7 @@ def test_the_doctor_finds_the_bug_and_nothing_wrong_in_the_clean_twin(case: Any)
 
 
 def test_every_kind_has_a_case_in_the_zoo() -> None:
-    across = {c[0] for c in zoo_ranks.CASES}  # test_ranks.py, in a world of two
+    across = {c[0] for c in zoo_ranks.CASES + zoo_world.CASES}  # test_ranks*.py: worlds of two
     monitor = {"lost_update", "nonfinite_grad", "lr_off_schedule"}  # test_monitor, test_ranks
     assert {c[0] for c in CASES} | {"buffer_write_in_eval"} | across | monitor == set(KINDS)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tests.doctor.zoo_loops import LOOPS
 from torch import nn
 
 __all__ = ["REAL"]
@@ -680,4 +681,5 @@ REAL = {
     "vae_summed_loss": real_vae_summed_loss,
     "policy_gradient": real_policy_gradient,
     "one_module_gan": real_one_module_gan,
+    **LOOPS,
 }

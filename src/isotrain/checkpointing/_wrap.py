@@ -192,7 +192,9 @@ def _warn_cache(where: str) -> bool:
         f"activation checkpointing: {where} was called with use_cache=True (or its config says "
         "so); a cache built in forward would be built again when checkpointed blocks recompute "
         "in backward, so forwards with gradients now run with use_cache=False (eval and no_grad "
-        "forwards keep the cache). Pass use_cache=False when training to silence this.",
+        "forwards keep the cache). Pass use_cache=False when training to silence this, and "
+        "compare against the unwrapped model called with use_cache=False: the cache lays K and V "
+        "out differently, which some CPUs' kernels round differently.",
         stacklevel=outside_stacklevel(),
     )
     return True

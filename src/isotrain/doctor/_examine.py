@@ -171,7 +171,8 @@ def examine(
     `batches`: a list, a DataLoader or any iterable (its first 8). `step(model, optimizer,
     batch) -> loss` is your own training step; or `epoch(model, optimizer, loader)`, your own
     epoch function, run over one batch at a time (its model.train(), zero_grad placement and
-    schedule as your loop runs them; `loader` holds that batch and your loader's attributes);
+    schedule as your loop runs them; `loader` holds that batch and your loader's attributes)
+    and once over all of them (what runs once a batch, not once a call: syncs, schedulers);
     without either, `loss_fn(model, batch) -> loss` drives a plain step, and a dict batch
     needs none of them when the model returns `.loss` (`model(**batch).loss`, as Hugging Face
     models do).
@@ -265,6 +266,7 @@ def _families(
                 if link is not None:
                     link.gather(f"the end of the {check.name} checks")
         found += _step_error(ctx)
+        found += [f for f in ctx.unrestored() if f.kind in kinds]
         if link is not None:
             found = merge_findings(link.gather("every rank's findings", found))
     except RankError as e:  # one line naming the ranks; nothing more is compared

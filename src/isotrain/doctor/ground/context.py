@@ -18,8 +18,9 @@ from torch import nn
 
 from isotrain._shared import restore_rng
 from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
-from isotrain.doctor.ground.globals import StepState
-from isotrain.doctor.ground.inputs import Loader, ModelCall, Stop
+from isotrain.doctor.ground.finding import Finding
+from isotrain.doctor.ground.globals import MAX_DEPTH, MAX_OBJECTS, StepState
+from isotrain.doctor.ground.inputs import EpochStep, Loader, ModelCall, Stop
 from isotrain.doctor.ground.snapshot import Snapshot
 
 __all__ = [
@@ -94,6 +95,26 @@ class Context:
         if self.settled and _is_ddp(self.model) and ddp_reduction_pending(self.model):
             ddp_reset_reduction(self.model)
 
+    def unrestored(self) -> list[Finding]:
+        """An info finding naming the state the user's step reads that lies past what examine
+        puts back (NOTE [reachable state] in ground.globals), none when it all comes back."""
+        kept = self.step_state
+        if not kept.missed:
+            return []
+        more = (
+            f" (+{kept.missed - len(kept.left_out)} more)"
+            if kept.missed > len(kept.left_out)
+            else ""
+        )
+        return [Finding(
+            "global_state_leak", "info", "your step's state",
+            f"not put back after examine: {', '.join(kept.left_out)}{more}, past {MAX_DEPTH} "
+            f"levels or {MAX_OBJECTS} objects of what your step reads by name; their contents "
+            "are as the last check left them",
+            "rebuild these objects after examine, or keep what the step reads by name small "
+            "(data in a DataLoader, not in an object the step reads)",
+        )]  # fmt: skip
+
     def fresh(self) -> tuple[nn.Module, Any]:
         """The user's own model and optimizer(s), as they were when examine was called, with
         the user's RNG state (so a step draws what theirs would)."""
@@ -141,6 +162,19 @@ class Context:
         """The user's step; an LBFGS step with one closure iteration (NOTE [one iteration])."""
         with _one_iteration(self.optimizers):
             return self.step(model, opt, batch)
+
+    @property
+    def per_epoch(self) -> bool:
+        """The step is the user's epoch function (examine's epoch=), run over one batch a call."""
+        return isinstance(self.step, EpochStep)
+
+    def run_epoch(self, model: nn.Module, opt: Any, batches: Sequence[Any]) -> Any:
+        """One call of the user's epoch function over `batches` (under epoch= only), as
+        run_step runs a step; what happens once a batch then happens len(batches) times."""
+        if not isinstance(self.step, EpochStep):
+            raise TypeError("run_epoch needs examine's epoch= driver")
+        with _one_iteration(self.optimizers):
+            return self.step.over(model, opt, list(batches))
 
     # -- how the model is called: NOTE [the user's call] in ground.inputs -------------------
     def call(self, batch: Any) -> ModelCall:

@@ -3,11 +3,12 @@
 A loop that carries an RNN's hidden state in a module-level dict, appends losses to a list
 or counts steps in a global changes them on every call; the doctor calls the step dozens of
 times. `StepState` records, before examine starts, what the step function (and the functions
-of the same module it calls, transitively) reads by name: tensors (their values too), plain
-values, the builtin containers (dict, list, set) one level deep, modules other than the model
-(an EMA copy) and objects of the user's own classes (an EMA helper's shadows and counter), and
-puts them back after every check, so each check starts from the user's state and examine
-leaves it as it was.
+of the same module it calls, transitively) reads by name, and the object of a step that is a
+bound method: tensors (their values too), plain values, containers and tuples, modules other
+than the model (an EMA copy) and objects of the user's own classes (a trainer holding an EMA
+helper holding its shadows and counter), followed as deep as they go within bounds (NOTE
+[reachable state]), and puts them back after every check, so each check starts from the
+user's state and examine leaves it as it was.
 """
 
 from __future__ import annotations
@@ -44,37 +45,59 @@ def _is_state(value: Any) -> bool:
 def _kept(value: Any, skip: set[int]) -> bool:
     if id(value) in skip:
         return False
-    return (
-        isinstance(value, (torch.Tensor, *_PLAIN))
-        or type(value) in _CONTAINERS
-        or (_is_state(value))
-    )
+    return isinstance(value, (torch.Tensor, *_PLAIN, *_CONTAINERS, tuple)) or _is_state(value)
 
 
-def _saved(value: Any, skip: set[int]) -> Any:
-    """What restoring `value` needs: a tensor's values, a container's items (and the values
-    of the tensors among them), a module's state dict, an object's attributes one level deep."""
-    if isinstance(value, torch.Tensor):
-        return [value.detach().clone(), tensor_version(value)]  # values, write count after
-    if isinstance(value, torch.nn.Module):
-        return {k: v.detach().clone() for k, v in value.state_dict(keep_vars=True).items()}
-    if type(value) in _CONTAINERS:
-        items = value.items() if isinstance(value, dict) else enumerate(value)
-        tensors = {k: _saved(v, skip) for k, v in items if isinstance(v, torch.Tensor)}
-        return value.copy(), tensors
-    if _is_state(value):  # one level deep: its tensors, values, containers and modules
-        kept = {k: v for k, v in vars(value).items() if _kept(v, skip) and not _nested(v)}
-        return {k: (v, _saved(v, skip)) for k, v in kept.items()}
-    return None
+# NOTE [reachable state]
+# What a name holds is followed as deep as the user's objects go (a trainer holding an EMA
+# helper holding its shadows and counter): every container, tuple and object of the user's own
+# classes reached, within MAX_DEPTH levels and MAX_OBJECTS objects, is saved once (a cycle or a
+# shared object is saved where it is first reached) and put back in place: the same objects
+# bound to the same attributes and items, with their contents and tensor values as before.
+# What lies past the bounds keeps its identity but not its contents; `left_out` names it.
+MAX_DEPTH = 8
+MAX_OBJECTS = 4096
+_NAMED = 5  # paths named in left_out; the rest are counted
+_GONE = object()
 
 
-def _nested(value: Any) -> bool:
-    """An object of the user's own class inside another: left as it is (no cycles, no depth)."""
-    return _is_state(value) and not isinstance(value, torch.nn.Module)
+class _Saver:
+    """One pass over what the step's names hold, each object saved once, within the bounds."""
+
+    def __init__(self, skip: set[int]) -> None:
+        self.skip = skip
+        self.seen: set[int] = set()
+        self.left_out: list[str] = []
+        self.missed = 0  # objects past the bounds
+
+    def save(self, value: Any, path: str, depth: int = 0) -> Any:
+        """What restoring `value` needs (None for a plain value or one saved elsewhere)."""
+        if isinstance(value, _PLAIN) or id(value) in self.seen or not _kept(value, self.skip):
+            return None
+        if depth > MAX_DEPTH or len(self.seen) >= MAX_OBJECTS:
+            self.missed += 1
+            if len(self.left_out) < _NAMED:
+                self.left_out.append(path)
+            return None
+        self.seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            return [value.detach().clone(), tensor_version(value)]  # values, write count after
+        if isinstance(value, torch.nn.Module):
+            return {k: v.detach().clone() for k, v in value.state_dict(keep_vars=True).items()}
+        if isinstance(value, (*_CONTAINERS, tuple)):
+            keyed = value.items() if isinstance(value, dict) else enumerate(value)
+            inner = [(v, self.save(v, f"{path}[{k!r}]", depth + 1)) for k, v in keyed]
+            copied = None if isinstance(value, tuple) else value.copy()
+            return copied, [(v, saved) for v, saved in inner if saved is not None]
+        held = {k: v for k, v in vars(value).items() if _kept(v, self.skip)}
+        attrs = {k: (v, self.save(v, f"{path}.{k}", depth + 1)) for k, v in held.items()}
+        return attrs, frozenset(vars(value))
 
 
 def _restore(value: Any, saved: Any) -> None:
     """`value`'s contents put back from `saved` (the object itself stays the same)."""
+    if saved is None:
+        return
     if isinstance(value, torch.Tensor):
         values, version = saved
         if tensor_version(value) != version and value.shape == values.shape:
@@ -87,18 +110,23 @@ def _restore(value: Any, saved: Any) -> None:
             for k, v in saved.items():
                 if k in now and now[k].shape == v.shape:
                     now[k].copy_(v)
-    elif type(value) in _CONTAINERS:
-        items, tensors = saved
+    elif isinstance(value, (*_CONTAINERS, tuple)):
+        items, inner = saved
         if isinstance(value, list):
             value[:] = items
-        else:
+        elif items is not None:  # a dict or a set
             value.clear()
             value.update(items)
-        for k, tensor_saved in tensors.items():
-            _restore(items[k], tensor_saved)
-    elif _is_state(value):
-        for k, (old, inner) in saved.items():
-            setattr(value, k, old)
+        for item, item_saved in inner:
+            _restore(item, item_saved)
+    else:
+        attrs, names = saved
+        now = vars(value)
+        for k in [k for k in now if k not in names]:  # set by the step since
+            delattr(value, k)
+        for k, (old, inner) in attrs.items():
+            if now.get(k, _GONE) is not old:  # (a frozen dataclass is never set again)
+                setattr(value, k, old)
             _restore(old, inner)
 
 
@@ -109,6 +137,7 @@ def _functions(*fns: Any) -> list[types.FunctionType]:
     todo = [getattr(f, "__wrapped__", f) for f in fns]
     while todo:
         f = todo.pop()
+        f = f.__func__ if isinstance(f, types.MethodType) else f
         if not isinstance(f, types.FunctionType) or id(f) in seen:
             continue
         seen[id(f)] = f
@@ -128,6 +157,13 @@ def _full(cell: Any) -> bool:
     return True
 
 
+def _bound(space: Any, name: str, held: Any) -> Any:
+    """What `name` holds now in `space` (a globals dict or a cell; None: `held` itself)."""
+    if space is None:
+        return held
+    return space[name] if isinstance(space, dict) else getattr(space, name)
+
+
 class StepState:
     """The globals and closure cells the user's functions read, as they were when this was
     made (functions that are None are left out; objects in `skip`, the model examine restores
@@ -136,26 +172,34 @@ class StepState:
     def __init__(self, *fns: Callable[..., Any] | None, skip: Iterable[Any] = ()) -> None:
         self.skip = {id(o) for o in skip}
         self.slots: list[tuple[Any, str, Any, Any]] = []  # (namespace, name, value, saved)
+        saver = _Saver(self.skip)
+        for f in fns:  # a bound method's object (a Trainer's train_step): its attributes
+            owner = getattr(getattr(f, "__wrapped__", f), "__self__", None)
+            if owner is not None and _kept(owner, self.skip) and not isinstance(owner, type):
+                self.slots.append((None, "self", owner, saver.save(owner, "self")))
         for f in _functions(*[f for f in fns if f is not None]):
             for name in f.__code__.co_names:
                 if name in f.__globals__ and _kept(f.__globals__[name], self.skip):
-                    self._keep(f.__globals__, name)
-            for cell in f.__closure__ or ():
+                    self._keep(f.__globals__, name, saver, name)
+            for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
                 if _full(cell) and _kept(cell.cell_contents, self.skip):
-                    self._keep(cell, "cell_contents")
+                    self._keep(cell, "cell_contents", saver, var)
+        self.left_out, self.missed = saver.left_out, saver.missed
 
-    def _keep(self, space: Any, name: str) -> None:
+    def _keep(self, space: Any, name: str, saver: _Saver, path: str) -> None:
         value = space[name] if isinstance(space, dict) else getattr(space, name)
         if not any(s is space and n == name for s, n, _, _ in self.slots):
-            self.slots.append((space, name, value, _saved(value, self.skip)))
+            self.slots.append((space, name, value, saver.save(value, path)))
 
     def now(self) -> StepState:
         """The same names with what they hold now: a point to put them back to later."""
         later = StepState(skip=())
         later.skip = self.skip
-        for space, name, _, _ in self.slots:
-            value = space[name] if isinstance(space, dict) else getattr(space, name)
-            later.slots.append((space, name, value, _saved(value, self.skip)))
+        saver = _Saver(self.skip)
+        for space, name, held, _ in self.slots:
+            value = _bound(space, name, held)
+            later.slots.append((space, name, value, saver.save(value, name)))
+        later.left_out, later.missed = saver.left_out, saver.missed
         return later
 
     def restore(self) -> None:
@@ -163,6 +207,6 @@ class StepState:
         for space, name, value, saved in self.slots:
             if isinstance(space, dict):
                 space[name] = value
-            else:
+            elif space is not None:  # (None: a bound method's object, itself for good)
                 setattr(space, name, value)
             _restore(value, saved)

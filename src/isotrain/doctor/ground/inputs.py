@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Loader", "ModelCall", "Stop", "main_path", "replaced"]
+__all__ = ["EpochStep", "Loader", "ModelCall", "Stop", "main_path", "replaced"]
 
 Path = tuple[Any, ...]
 _TARGETS = ("labels", "label", "targets", "target", "y")
@@ -124,3 +124,20 @@ class Loader(list):  # type: ignore[type-arg]
         if name.startswith("__") or self._source is None:
             raise AttributeError(name)
         return getattr(self._source, name)
+
+
+class EpochStep:
+    """The user's `epoch(model, optimizer, loader)` driven as a step over one batch (their own
+    model.train(), zero_grad placement and per-batch schedule, as their loop runs them), and
+    over several batches (`over`), to tell what runs once a batch from what runs once a call."""
+
+    def __init__(self, epoch: Callable[[torch.nn.Module, Any, Any], Any], source: Any) -> None:
+        self.__wrapped__ = epoch  # StepState reads the user's globals through it
+        self.source = source
+
+    def __call__(self, model: torch.nn.Module, optimizer: Any, batch: Any) -> Any:
+        return self.over(model, optimizer, [batch])
+
+    def over(self, model: torch.nn.Module, optimizer: Any, batches: list[Any]) -> Any:
+        """One call of the user's epoch function over `batches`, as their own loader."""
+        return self.__wrapped__(model, optimizer, Loader(list(batches), self.source))

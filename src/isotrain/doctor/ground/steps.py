@@ -13,7 +13,7 @@ from torch import nn
 
 from isotrain._torch_private import optimizer_set_up
 from isotrain.doctor.ground.context import StepFn
-from isotrain.doctor.ground.inputs import Loader
+from isotrain.doctor.ground.inputs import EpochStep
 
 __all__ = ["epoch_step", "loss_of", "optimizers_in", "plain_step"]
 
@@ -95,9 +95,4 @@ def optimizers_in(optimizer: Any) -> list[torch.optim.Optimizer]:
 def epoch_step(epoch: Callable[[nn.Module, Any, Any], Any], source: Any) -> StepFn:
     """A step that runs the user's `epoch(model, optimizer, loader)` over one batch: their own
     model.train(), zero_grad placement and per-batch schedule, as their loop runs them."""
-
-    def step(model: nn.Module, optimizer: Any, batch: Any) -> Any:
-        return epoch(model, optimizer, Loader([batch], source))
-
-    step.__wrapped__ = epoch  # type: ignore[attr-defined]  # StepState reads the user's globals
-    return step
+    return EpochStep(epoch, source)

@@ -134,6 +134,7 @@ class OpWatch:
     forward_syncs: set[str] = field(default_factory=set)  # wheres inside a module's forward
     validating_syncs: set[str] = field(default_factory=set)  # torch.distributions' checks
     nonfinite: tuple[str, str, str] | None = None  # (op, where, input ranges)
+    given: tuple[str, str, str] | None = None  # the same, from a NaN/Inf number passed to it
     risks: dict[tuple[str, str], str] = field(default_factory=dict)  # (where, what) -> evidence
     library_risks: set[str] = field(default_factory=set)  # risk wheres inside installed packages
     autocast: set[torch.dtype] = field(default_factory=set)  # autocast dtypes seen
@@ -244,18 +245,45 @@ def _inspect(watch: OpWatch, func: Any, args: Any, out: Any) -> None:
                     f"{func.overloadpacket.__name__} output reaches {big:.3g} in {t.dtype}, "
                     f"within 64x of its largest finite value {top:.3g}",
                 )
-    if watch.nonfinite is None and any(t.is_floating_point() and bad_values(t) for t in outs):
-        floats = _dense(args)
-        if not any(t.is_floating_point() and bad_values(t) for t in floats):
-            name = str(func.overloadpacket.__name__)  # this op made it: later ones carry it
-            watch.nonfinite = (name, user_site().where, value_ranges(args))
+    made = watch.nonfinite is None and any(map(_has_bad, outs))
+    if made and not any(map(_has_bad, _dense(args))):  # else carried from its inputs
+        _made_nonfinite(watch, func, args)
+
+
+def _made_nonfinite(watch: OpWatch, func: Any, args: Any) -> None:
+    """Note the op whose output is the first NaN/Inf while its tensors are finite: it made it,
+    or carries a NaN/Inf number the code passed it (max_norm=inf: NOTE [a given inf])."""
+    name = str(func.overloadpacket.__name__)
+    numbers = [a for a in tree_leaves(args) if isinstance(a, float) and not math.isfinite(a)]
+    if not numbers:
+        watch.nonfinite = (name, user_site().where, value_ranges(args))
+    elif watch.given is None:
+        ranges = f"{value_ranges(args)} and the number {numbers[0]}"
+        watch.given = (name, user_site().where, ranges)
+
+
+# NOTE [a given inf]
+# clip_grad_norm_(params, float("inf")) measures the norm without clipping: inside it
+# max_norm / norm is inf, then clamped to 1. An op whose NaN/Inf output comes from a NaN/Inf
+# number the code passed it did not make one; nonfinite_forward names it only when the step's
+# loss or a gradient at the update is not finite (that number then reached the training).
 
 
 def _dense(obj: Any) -> list[torch.Tensor]:
     """The strided tensors in `obj` (a DTensor's local shard): a sparse or nested tensor's
     values are the user's ops' business, and comparing them is an op their layout may lack."""
-    found = (local(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor))
+    leaves = (obj,) if isinstance(obj, torch.Tensor) else tree_leaves(obj)  # (most outputs)
+    found = (local(t) for t in leaves if isinstance(t, torch.Tensor))
     return [t for t in found if t.layout == torch.strided and not t.is_nested]
+
+
+def _has_bad(t: torch.Tensor) -> bool:
+    """Whether `t` holds a NaN or +inf, in one reduction (its max is NaN or +inf then): every
+    op of the probe step asks, so this is the watch's hot path."""
+    if not t.is_floating_point() or not t.numel():
+        return False
+    top = float(t.detach().amax())  # sync: the doctor's measurement
+    return math.isnan(top) or top == math.inf
 
 
 def bad_values(t: torch.Tensor) -> int:

@@ -76,10 +76,18 @@ def check_nonfinite(ctx: Context) -> list[Finding]:
     if found:
         where, evidence = found[0]
         return [Finding("nonfinite_forward", "error", where, evidence, _NAN_FIX)]
-    watched = probe_ok(ctx).watch.nonfinite
-    if watched is not None:
-        op, where, ranges = watched
+    p = probe_ok(ctx)
+    if p.watch.nonfinite is not None:
+        op, where, ranges = p.watch.nonfinite
         evidence = f"{op} made the step's first NaN/Inf (outside any module); its inputs {ranges}"
+        return [Finding("nonfinite_forward", "error", where, evidence, _NAN_FIX)]
+    if p.watch.given is not None and not p.finite:  # NOTE [a given inf] in ground.watch
+        op, where, ranges = p.watch.given
+        evidence = (
+            f"{op} turned a NaN/Inf number your code passed it into the step's first NaN/Inf "
+            f"(outside any module), and the loss or a gradient at the update is not finite; "
+            f"its inputs {ranges}"
+        )
         return [Finding("nonfinite_forward", "error", where, evidence, _NAN_FIX)]
     return []
 

@@ -59,10 +59,12 @@ class CollectiveMismatch(RuntimeError):
 
 @dataclass
 class Collectives:
-    """What the check saw: calls compared, and the first mismatch (where, evidence)."""
+    """What the check saw: calls compared, the first mismatch (where, evidence), and the
+    gathers any code but the doctor's made (torch.distributed.nn's differentiable ones too)."""
 
     ranks: Ranks
     calls: int = 0
+    gathers: int = 0
     mismatch: tuple[str, str] | None = None
 
 
@@ -180,6 +182,8 @@ def _checked(fn: Callable[..., Any], name: str, state: Collectives) -> Callable[
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_code.co_filename
+        if name.startswith(("all_gather", "all_to_all")) and not caller.startswith(DOCTOR_DIR):
+            state.gathers += 1
         if caller.startswith((TORCH_DIR, DOCTOR_DIR)):
             return fn(*args, **kwargs)
         try:

@@ -30,6 +30,7 @@ from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ranks.link import Ranks, checksum
+from isotrain.doctor.ranks.scale import grad_sums, loss_ratio, scale_finding
 from isotrain.doctor.ranks.text import (
     gradient_finding,
     mismatch_finding,
@@ -90,6 +91,7 @@ class _Record:
     (after the user's own all-reduce, if any)."""
 
     backwards: int = 0
+    losses: list[torch.Tensor] = field(default_factory=list)  # what each backward ran on
     after_backward: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
     at_step_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
     synced: list[int] | None = None
@@ -113,6 +115,9 @@ def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[
         out = backward(*args, **kwargs)
         if not rec.stepped:  # the gradients optimizer.step() will use
             rec.backwards += 1
+            ran_on = args[0] if args else kwargs.get("tensors")
+            if isinstance(ran_on, torch.Tensor) and ran_on.numel() == 1:
+                rec.losses.append(ran_on.detach().clone())
             rec.sync_off = not getattr(model, "require_backward_grad_sync", True)
             rec.after_backward = {n: g.detach().clone() for n, g in zip(names, grads())}
             rec.synced = _sums(list(rec.after_backward.values()))
@@ -157,7 +162,8 @@ def _cause(model: nn.Module, names: list[str], recs: list[_Record]) -> str:
 
 
 def check_ranks(ctx: Context) -> list[Finding]:
-    """replica_divergence, gradient_not_synchronized, same_data_on_ranks over two steps."""
+    """replica_divergence, gradient_not_synchronized, same_data_on_ranks and
+    gradient_scaled_by_world over two steps."""
     ranks: Ranks | None = getattr(ctx, "ranks", None)
     if ranks is None:
         raise CannotRun("needs a process group of 2 or more ranks (torchrun --nproc-per-node N)")
@@ -174,7 +180,9 @@ def check_ranks(ctx: Context) -> list[Finding]:
     out = [sharded_finding(sharded, len(reps))] if sharded else []
     mine = [_batch_hash(b) for b in ctx.batches[:STEPS]]
     hashes = ranks.gather("the batches' checksums", mine)
-    out += same_data_finding(hashes, sharded=bool(sharded))
+    same = same_data_finding(hashes, sharded=bool(sharded))
+    ctx.cache["same data on ranks"] = bool(same)  # said once: the data split need not say it
+    out += same
     buffers = _buffer_marks(_base(model))
     sums = [[dict(zip(*got))[n] for n in names] for got in start]
     out += _stepped(ctx, ranks, model, opt, names, sums, sharded=bool(sharded))
@@ -225,12 +233,19 @@ def _stepped(
         spread = _spread(ranks, names, start, dict(_base(model).named_parameters()), "before")
         out.append(replica_finding("start", start, spread, names))
     recs: list[_Record] = []
+    calls = ctx.cache.get("collectives")
+    first: list[Any] = []  # each rank's scale summary of step 1
     for i in range(STEPS):
+        gathers = getattr(calls, "gathers", 0)
         with _recording(model, ctx.optimizers, names) as rec:
-            error = _run(ctx, model, opt, ctx.batches[i % len(ctx.batches)])
+            error, returned = _run(ctx, model, opt, ctx.batches[i % len(ctx.batches)])
         recs.append(rec)
         after = _sums([dict(_base(model).named_parameters())[n] for n in names])
-        got = ranks.gather(f"replicas after step {i + 1}", (error, rec.synced, rec.at_step, after))
+        scale = _scale_summary(rec, returned, getattr(calls, "gathers", 0) - gathers)
+        got = ranks.gather(
+            f"replicas after step {i + 1}", (error, rec.synced, rec.at_step, after, scale)
+        )
+        first = first or [g[4] for g in got]
         failed = [(r, e) for r, (e, *_) in enumerate(got) if e is not None]
         if failed and _mismatch(ctx):
             return out + _mismatch(ctx)
@@ -240,7 +255,23 @@ def _stepped(
         found = _judge(ranks, model, names, got, recs, out, i + 1, sharded=sharded)
         if found:
             return out + found
-    return out
+    if out or sharded:
+        return out
+    adaptive = bool(ctx.optimizers) and all("Adam" in type(o).__name__ for o in ctx.optimizers)
+    return scale_finding(first, ranks.world, adaptive=adaptive)
+
+
+def _scale_summary(rec: _Record, returned: Any, gathers: int) -> Any:
+    """What gradient_scaled_by_world compares across ranks, from one recorded step (nothing
+    to compare where the step did not step, or its values cannot be read: every rank still
+    reaches the exchange)."""
+    try:
+        if rec.at_step is not None:
+            ratio = loss_ratio(rec.losses, returned)
+            return (ratio, grad_sums(rec.after_backward), grad_sums(rec.at_step_grads), gathers)
+    except Exception:  # a value the doctor cannot read is not the user's bug
+        pass
+    return (None, [], [], gathers)
 
 
 def _mismatch(ctx: Context) -> list[Finding]:
@@ -250,14 +281,14 @@ def _mismatch(ctx: Context) -> list[Finding]:
     return [mismatch_finding(*mismatch)] if mismatch else []
 
 
-def _run(ctx: Context, model: nn.Module, opt: Any, batch: Any) -> str | None:
+def _run(ctx: Context, model: nn.Module, opt: Any, batch: Any) -> tuple[str | None, Any]:
+    """(the step's error, else None; what the step returned)."""
     try:
-        ctx.run_step(model, opt, batch)
+        return None, ctx.run_step(model, opt, batch)
     except Exception as e:
         if type(e).__name__ == "RankError":
             raise
-        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return None
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}", None
 
 
 def _judge(
@@ -314,6 +345,12 @@ RANKS = Check(
         Kind(
             "same_data_on_ranks",
             "ranks got byte-identical batches (no DistributedSampler, data not split by rank)",
+        ),
+        Kind(
+            "gradient_scaled_by_world",
+            "the gradients optimizer.step() applies are world_size (or 1/world_size) times the "
+            "one-process gradient of the global batch (a loss scaled by the world size under "
+            "DDP, an all_reduce SUM of .grad on top of it)",
         ),
         Kind(
             "collective_mismatch",

@@ -8,14 +8,10 @@ sampler's own state put back) and says what it saw, as information.
 
 from __future__ import annotations
 
-import itertools
-from typing import Any
-
-from torch.utils.data import DataLoader
-
 from isotrain.doctor.ground.context import Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ground.sampling import draw, epoch_sampler
 
 __all__ = ["SAMPLER_EPOCH", "check_sampler_epoch"]
 
@@ -24,11 +20,11 @@ DRAWN = 4096  # indices compared from each pass
 
 def check_sampler_epoch(ctx: Context) -> list[Finding]:
     """sampler_epoch: a shuffling sampler with set_epoch draws the same order twice."""
-    sampler = _epoch_sampler(ctx.source)
+    sampler = epoch_sampler(ctx.source)
     if sampler is None:
         return []
     epoch = getattr(sampler, "epoch", None)
-    first, second = _pass(sampler), _pass(sampler)
+    first, second = ([int(i) for i in draw(sampler, DRAWN)] for _ in range(2))
     if first != second or first == sorted(first):
         return []
     return [Finding(
@@ -38,26 +34,6 @@ def check_sampler_epoch(ctx: Context) -> list[Finding]:
         "set_epoch(epoch) before iterating (the doctor sees your step, not that loop)",
         "for epoch in range(epochs): sampler.set_epoch(epoch); for batch in loader: ...",
     )]  # fmt: skip
-
-
-def _epoch_sampler(source: Any) -> Any:
-    """The sampler of a DataLoader that shuffles by an epoch it is told, else None."""
-    if not isinstance(source, DataLoader):
-        return None
-    inner = getattr(source.batch_sampler, "sampler", None)
-    for sampler in (source.sampler, inner):
-        if callable(getattr(sampler, "set_epoch", None)) and getattr(sampler, "shuffle", True):
-            return sampler
-    return None
-
-
-def _pass(sampler: Any) -> list[int]:
-    """The first DRAWN indices of one pass; the sampler's attributes as they were."""
-    kept = dict(vars(sampler))
-    try:
-        return [int(i) for i in itertools.islice(iter(sampler), DRAWN)]
-    finally:
-        vars(sampler).update(kept)
 
 
 SAMPLER_EPOCH = Check(

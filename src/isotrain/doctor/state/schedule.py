@@ -9,14 +9,15 @@ below 1/100 of its peak before half the run has spent its schedule (a cosine pas
 starts over: a schedule cycling within the run); one that reaches 0 at the run's end has
 not, nor one that restarts by design (warm restarts, cyclic) and comes back up. A learning
 rate the step sets by hand is judged on the traced calls: no run wants it to fall 100x
-within them.
+within them. Under epoch=, per batch or per epoch as the epoch function steps them (NOTE
+[schedules under epoch=]).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from isotrain.doctor.ground.trace import Trace, trace_ok
 
 __all__ = ["LR_COLLAPSE", "check_lr"]
 
+_Part = tuple[Any, float, float]  # a scheduler, its steps a unit (call, batch), its steps an epoch
 COLLAPSE = 100.0
 MIN_RUN = 40  # calls: the shortest run a schedule is judged over when nothing says more
 MAX_RUN = 20_000  # calls stepped on at most (a longer run is judged over these)
@@ -59,50 +61,109 @@ def check_lr(ctx: Context) -> list[Finding]:
             f"within {len(tr.steps)} calls of your step",
             _FIX,
         )]  # fmt: skip
-    stepped = [] if _per_epoch(ctx) else _stepped(ctx)
+    if ctx.per_epoch:
+        return _over_epochs(ctx, tr)
+    stepped = [(sched, one, 0.0) for sched, one, _ in _stepped(ctx, _steps_once(ctx))]
     if not stepped:
         return []
     run, said = _run_length(ctx, tr)
-    cycles = any(isinstance(s, _CYCLIC) for s, _ in stepped)  # restarts are their design
-    found = _collapse(_stepped_on(ctx, stepped, min(run, MAX_RUN)), run / 2, stays=cycles)
+    how = ", ".join(f"{type(s).__name__}.step() x{n:g}" for s, n, _ in stepped) + " per call"
+    return _judged(ctx, tr, stepped, (run, None), f"calls of your step ({said})", how)
+
+
+def _judged(
+    ctx: Context, tr: Trace, parts: list[_Part], run: tuple[int, int | None], unit: str, how: str
+) -> list[Finding]:
+    """lr_collapse when the schedulers, stepped on over the run (`run`: its units, and the
+    units an epoch holds when schedulers also step once an epoch), spend the lr before half."""
+    units, every = run
+    cycles = any(isinstance(s, _CYCLIC) for s, _, _ in parts)  # restarts are their design
+    lrs = _stepped_on(ctx, parts, min(units, MAX_RUN), every)
+    found = _collapse(lrs, units / 2, stays=cycles)
     if found is None:
         return []
     group, peak, low, at = found
-    how = ", ".join(f"{type(s).__name__}.step() x{n}" for s, n in stepped)
     return [Finding(
         "lr_collapse", "warning", _sched_line(tr),
         f"the learning rate of param group {group} falls below 1/100 of its peak ({peak:.3g} "
-        f"-> {low:.3g}) after {at} of the run's {run} calls of your step ({said}), its "
-        f"schedulers stepped as your step steps them ({how} per call)",
+        f"-> {low:.3g}) after {at} of the run's {units} {unit}, its schedulers stepped as "
+        f"your {'epoch function' if ctx.per_epoch else 'step'} steps them ({how})",
         _FIX,
     )]  # fmt: skip
 
 
-def _per_epoch(ctx: Context) -> bool:
-    """Each call runs the user's epoch function (examine's epoch=): a scheduler it steps once
-    a call may be a per-epoch one, so the run's length in calls is not known."""
-    return getattr(ctx.step, "__qualname__", "").startswith("epoch_step.")
+# NOTE [schedules under epoch=]
+# The doctor's steps run the user's epoch function over one batch, so a scheduler it steps
+# once a call may be stepped once a batch (inside the batch loop) or once an epoch (after it).
+# The function runs once more over all k examined batches: a scheduler stepped k times as
+# often there steps per batch, one stepped as often steps per epoch. Per-batch steps are
+# judged over the run in batches, as a step's are; per-epoch steps need the run's length
+# (total_steps=) and an epoch's (a DataLoader's length), and are judged over its epochs.
+def _over_epochs(ctx: Context, tr: Trace) -> list[Finding]:
+    """lr_collapse under epoch=: NOTE [schedules under epoch=]."""
+    k = len(ctx.batches)
+    once = _stepped(ctx, _steps_once(ctx))
+    counted = {id(s): n for s, n, _ in _stepped(ctx, _steps_once(ctx, ctx.batches))}
+    parts = []
+    for sched, one, _ in once:
+        per_batch = max(counted.get(id(sched), one) - one, 0.0) / (k - 1)
+        parts.append((sched, per_batch, max(one - per_batch, 0.0)))
+    batches, said = _run_length(ctx, tr)
+    epoch = _epoch_length(ctx.source)
+    judged = ctx.total_steps is not None and epoch is not None  # the run's epochs are known
+    if any(b > 0 for _, b, _ in parts):  # in batches, per-epoch steps at each epoch's end
+        steps = [(s, b, e if judged else 0.0) for s, b, e in parts if b > 0 or judged]
+        run: tuple[int, int | None] = (batches, epoch if judged else None)
+        unit = f"batches ({said})"
+    elif judged and parts:  # in epochs
+        steps = [(s, e, 0.0) for s, _, e in parts]
+        run = (math.ceil(batches / epoch), None)  # type: ignore[operator]
+        unit = f"epochs ({said}, {epoch} batches an epoch)"
+    else:
+        return []
+    chosen = {id(s) for s, _, _ in steps}
+    how = ", ".join(_how(s, b, e if judged else 0.0) for s, b, e in parts if id(s) in chosen)
+    return _judged(ctx, tr, steps, run, unit, how)
+
+
+def _how(sched: Any, per_batch: float, per_epoch: float) -> str:
+    """How the epoch function steps `sched`: "StepLR.step() x1 per epoch"."""
+    said = [f"x{n:g} per {unit}" for n, unit in ((per_batch, "batch"), (per_epoch, "epoch")) if n]
+    return f"{type(sched).__name__}.step() {' and '.join(said)}"
+
+
+def _epoch_length(source: Any) -> int | None:
+    """The batches in one epoch of the user's DataLoader, None when it has no length."""
+    if not isinstance(source, DataLoader):
+        return None
+    try:
+        return len(source) or None
+    except TypeError:  # an iterable dataset without a length
+        return None
 
 
 def _run_length(ctx: Context, tr: Trace) -> tuple[int, str]:
-    """The calls of the user's step in the run, and what said so."""
+    """The calls of the user's step in the run (batches, under epoch=), and what said so."""
     per_call = sum(s.optimizer_steps for s in tr.steps) / max(len(tr.steps), 1) or 1.0
     if ctx.total_steps is not None:
         return max(1, math.ceil(ctx.total_steps / per_call)), f"total_steps={ctx.total_steps}"
-    source = ctx.source
-    if isinstance(source, DataLoader):
-        try:
-            epoch = len(source)
-        except TypeError:  # an iterable dataset without a length
-            epoch = 0
-        if epoch > MIN_RUN:
-            return epoch, "one epoch of your DataLoader; pass total_steps= for the run's"
+    epoch = _epoch_length(ctx.source) or 0
+    if epoch > MIN_RUN:
+        return epoch, "one epoch of your DataLoader; pass total_steps= for the run's"
     return MIN_RUN, f"at least {MIN_RUN}; pass total_steps= for the run's"
 
 
-def _stepped(ctx: Context) -> list[tuple[Any, int]]:
-    """The schedulers one call of the user's step steps (not those stepped by another, as a
-    SequentialLR's), each with how many times."""
+def _steps_once(ctx: Context, batches: Sequence[Any] | None = None) -> Callable[..., Any]:
+    """One call of the user's step on the first batch, or of their epoch function over
+    `batches`."""
+    if batches is None:
+        return lambda model, opt: ctx.run_step(model, opt, ctx.batches[0])
+    return lambda model, opt: ctx.run_epoch(model, opt, batches)
+
+
+def _stepped(ctx: Context, run: Callable[..., Any]) -> list[_Part]:
+    """The schedulers one `run` steps (not those stepped by another, as a SequentialLR's),
+    each with how many times, from the user's state and put back."""
     scheds = [
         s for s in ctx.snapshot.scheduler_objects
         if not isinstance(s, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -112,26 +173,34 @@ def _stepped(ctx: Context) -> list[tuple[Any, int]]:
     model, opt = ctx.fresh()
     before = [s.last_epoch for s in scheds]
     try:
-        ctx.run_step(model, opt, ctx.batches[0])
+        run(model, opt)
         counts = [s.last_epoch - b for s, b in zip(scheds, before, strict=True)]
     finally:
         ctx.reset()
     inner = {id(c) for s in scheds for c in getattr(s, "_schedulers", ())}
-    return [(s, n) for s, n in zip(scheds, counts, strict=True) if n > 0 and id(s) not in inner]
+    return [(s, float(n), 0.0) for s, n in zip(scheds, counts, strict=True)
+            if n > 0 and id(s) not in inner]  # fmt: skip
 
 
-def _stepped_on(ctx: Context, stepped: list[tuple[Any, int]], calls: int) -> list[list[float]]:
-    """Each group's lr at the start and after each of `calls` calls, the schedulers stepped
-    as the step steps them (the optimizer itself untouched), put back after."""
+def _stepped_on(
+    ctx: Context, parts: list[_Part], units: int, every: int | None
+) -> list[list[float]]:
+    """Each group's lr at the start and after each of `units` units, each scheduler stepped
+    its steps a unit and its steps an epoch after every `every` units (the optimizer itself
+    untouched), put back after."""
     groups = [g for o in ctx.optimizers for g in o.param_groups]
     lrs = [[float(g["lr"]) for g in groups]]
+    owed = [0.0] * len(parts)
     try:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore")
-            for _ in range(calls):
-                for s, n in stepped:
-                    for _ in range(n):
+            for u in range(units):
+                ends = every is not None and (u + 1) % every == 0
+                for i, (s, per_unit, per_epoch) in enumerate(parts):
+                    owed[i] += per_unit + (per_epoch if ends else 0.0)
+                    while owed[i] >= 1 - 1e-9:
                         s.step()
+                        owed[i] -= 1
                 lrs.append([float(g["lr"]) for g in groups])
     except (ValueError, IndexError, ZeroDivisionError):  # stepped past its end (OneCycleLR)
         pass

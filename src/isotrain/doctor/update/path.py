@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,7 @@ class _Watch:
         self.last: dict[int, torch.Tensor] = {}  # the gradient each param's last step applied
         self.thrown: dict[int, set[int]] = {}  # id(param) -> backward nos. thrown away
         self.thrown_at: list[tuple[int, str]] = []  # (call, zero_grad line) not yet followed up
+        self.clipping = False  # inside a library's clip, whose own call is the one recorded
 
     def moved(self) -> int:
         """A count that changes whenever a held parameter is written in place."""
@@ -169,8 +171,24 @@ class _Watch:
     def clip_norm(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            self.clipped(parameters, max_norm)
+            if not self.clipping:
+                self.clipped(parameters, max_norm)
             return original(parameters, max_norm, *args, **kwargs)
+
+        return patched
+
+    def library_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """A library's clip_grad_norm_ (accelerate's): recorded as the user called it, since on
+        an empty iterable it calls no torch clip at all."""
+
+        def patched(owner: Any, parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            self.clipped(parameters, max_norm)
+            self.clipping = True
+            try:
+                return original(owner, parameters, max_norm, *args, **kwargs)
+            finally:
+                self.clipping = False
 
         return patched
 
@@ -299,6 +317,10 @@ def path(ctx: Context) -> Path:
             stack.enter_context(_patched(torch.optim.Optimizer, "zero_grad", w.zero_grad))
             stack.enter_context(_patched(torch.nn.Module, "zero_grad", w.zero_grad))
             stack.enter_context(_patched(_clip_grad, "_clip_grads_with_norm_", w.clip_norm))
+            stack.enter_context(_patched(torch.nn.utils, "clip_grads_with_norm_", w.clip_norm))
+            if (accelerate := sys.modules.get("accelerate")) is not None:
+                owner = accelerate.Accelerator
+                stack.enter_context(_patched(owner, "clip_grad_norm_", w.library_clip))
             for where in (_clip_grad, torch.nn.utils):
                 stack.enter_context(_patched(where, "clip_grad_value_", w.clip_value))
             stack.enter_context(_patched(scaler, "scale", w.scaled))

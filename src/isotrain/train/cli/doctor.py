@@ -7,9 +7,11 @@ when a finding is an error (so CI can run it), 0 otherwise, 2 for bad input.
 Across ranks, `isotrain doctor --nproc-per-node N FILE.py` starts N workers through torchrun's
 own launcher in this process (train/cli/launch.py); each joins a gloo group before the setup
 runs (unless the setup joins one itself), every rank examines, the ranks are compared, rank 0
-prints the one merged table, and the exit status is the doctor's. Under plain torchrun
-(`torchrun --nproc-per-node N -m isotrain doctor FILE.py`) the setup joins the group itself.
-Either way no rank exits before rank 0 has printed (NOTE [ranks exit together]).
+prints the one merged table, and the exit status is the doctor's; across machines torchrun's
+node flags (`--nnodes`, `--node-rank`, `--rdzv-endpoint`, ...) go with it, on each machine.
+Under plain torchrun (`torchrun --nproc-per-node N -m isotrain doctor FILE.py`) the setup joins
+the group itself. Either way no rank exits before rank 0 has printed (NOTE [ranks exit
+together]).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def _keys() -> tuple[list[str], list[str], str]:
 
 EXAMPLE = Path(__file__).resolve().parents[4] / "examples" / "doctor_setup.py"  # in a clone
 PRINT_TIMEOUT = 600.0  # seconds the other ranks wait for rank 0's table before exiting
+# torchrun's flags for one node of a job across machines, passed on by --nproc-per-node
+NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-backend",
+              "--rdzv-conf", "--master-addr", "--master-port")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,8 +193,33 @@ def _setup_of(a: DoctorArgs) -> Iterator[dict[str, Any]]:
         yield trainer_setup(a.preset, out_dir=out)
 
 
+def _node_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """torchrun's node flags in argv, each with its value (`--flag V` or `--flag=V`, dashes or
+    underscores), and argv without them."""
+    flags, rest, words = [], [], list(argv)
+    while words:
+        word = words.pop(0)
+        name, eq, value = word.partition("=")
+        flag = name.replace("_", "-")
+        if flag not in NODE_FLAGS:
+            rest.append(word)
+            continue
+        if not eq:
+            if not words or words[0].startswith("--"):
+                raise ConfigError(f"{name} needs a value, as torchrun takes it (e.g. {flag} 2)")
+            value = words.pop(0)
+        flags += [flag, value]
+    return flags, rest
+
+
 def cmd_doctor(argv: Sequence[str]) -> int:
     nproc, argv = nproc_per_node(argv)
+    nodes, argv = _node_flags(argv)
+    if nodes and nproc is None:
+        raise ConfigError(
+            f"{nodes[0]} goes with --nproc-per-node N: isotrain doctor then starts torchrun on "
+            "this machine, one node of the job (under torchrun itself, leave both out)"
+        )
     a = parse(DoctorArgs, argv, "isotrain doctor")
     if a.json is not None:
         check_output("--json", Path(a.json), is_dir=False)
@@ -200,7 +230,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
                 "(--trainer examines one process)"
             )
         _script(a.target)  # checked once, before any worker starts
-        return launch(nproc, argv, "doctor")
+        return launch(nproc, argv, "doctor", rendezvous=nodes)
     from isotrain.doctor import KINDS, examine  # torch: once the arguments parsed
 
     unknown = [k for k in a.only if k not in KINDS]
@@ -243,7 +273,11 @@ def _join_launched_world() -> None:
 # waits, in a barrier rank 0 reaches once it has printed, and a rank that exits 1 writes its
 # line in torchrun's error file: the launcher of --nproc-per-node prints none (the table said
 # it) and returns the status; plain torchrun shows the line in its summary, in place of "To
-# enable traceback", and exits 1 (torchrun's own status for any failed worker).
+# enable traceback", and exits 1 (torchrun's own status for any failed worker). Nothing a
+# worker does reaches torchrun's own process: it raises ChildFailedError for any non-zero exit
+# (its traceback), and a worker that exits 0 to spare it would make an error finding pass in
+# CI. So the line names the launcher that gives the status without it, across machines too
+# (torchrun's node flags pass through --nproc-per-node).
 
 
 def _exit_together(status: int, diagnosis: Diagnosis) -> None:
@@ -260,7 +294,12 @@ def _exit_together(status: int, diagnosis: Diagnosis) -> None:
             dist.barrier()
     if status:
         errors = sorted({f.kind for f in diagnosis.findings if f.severity == "error"})
-        line = f"isotrain doctor: error findings ({', '.join(errors)}): rank 0's table is above"
+        line = (
+            f"isotrain doctor: error findings ({', '.join(errors)}): rank 0's table is above "
+            "(isotrain doctor --nproc-per-node N FILE.py, with torchrun's --nnodes, --node-rank "
+            "and --rdzv-endpoint across machines, exits with this status without torchrun's "
+            "traceback)"
+        )
         tell_launcher(QUIET_EXIT if os.environ.get(LAUNCHER) else line)
 
 

@@ -97,9 +97,12 @@ def failed_worker(e: ChildFailedError, command: str = "train") -> tuple[str, int
     return line, failure.exitcode if failure.exitcode > 0 else 1
 
 
-def launch(nproc: int, argv: Sequence[str], command: str = "train") -> int:
-    """Run `isotrain COMMAND ARGV` in `nproc` torchrun workers on this machine; the exit
-    status (the workers' own, never torchrun's traceback)."""
+def launch(
+    nproc: int, argv: Sequence[str], command: str = "train", *, rendezvous: Sequence[str] = ()
+) -> int:
+    """Run `isotrain COMMAND ARGV` in `nproc` torchrun workers on this machine (one node of
+    a job across machines with torchrun's `rendezvous` flags); the exit status (the workers'
+    own, never torchrun's traceback)."""
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -116,7 +119,8 @@ def launch(nproc: int, argv: Sequence[str], command: str = "train") -> int:
     }
     saved = {k: os.environ.get(k) for k in workers_env}
     os.environ.update(workers_env)  # the workers inherit this process's environment
-    args = torchrun.parse_args(["--standalone", FLAG, str(nproc), "-m", "isotrain", command, *argv])
+    where = list(rendezvous) or ["--standalone"]
+    args = torchrun.parse_args([*where, FLAG, str(nproc), "-m", "isotrain", command, *argv])
     _quiet_torchrun()
     try:
         torchrun.run(args)
