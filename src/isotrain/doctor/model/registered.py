@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from isotrain._shared import buffers_restored
-from isotrain.doctor.ground.context import Context
+from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.watch import user_site
@@ -67,9 +67,23 @@ def _names(model: nn.Module) -> dict[int, str]:
     return out
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards some module of `model` (torch builds without distributed: never)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def check_unregistered(ctx: Context) -> list[Finding]:
     """unregistered_parameter: Parameters the forward computes with that the model lacks."""
     model, _ = ctx.fresh()
+    if _fully_sharded(model):
+        raise CannotRun(
+            "FSDP2 computes with unsharded copies of the parameters it registers: run the "
+            "doctor on the model before fully_shard"
+        )
     call = ctx.call(ctx.batches[0])
     mode = _ParamReads()
     with torch.enable_grad(), buffers_restored([model]), mode:
