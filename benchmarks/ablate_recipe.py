@@ -137,7 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, default=None, help="seeds per variant (2; quick 1)")
     p.add_argument("--jobs", type=int, default=1, help="processes at once (one thread each)")
     p.add_argument("--only", nargs="*", default=None, help="variants to run (default: all)")
-    p.add_argument("--time-steps", type=int, default=None, help="steps timed per variant (20)")
+    p.add_argument(
+        "--time-steps",
+        type=int,
+        default=None,
+        help="steps timed per variant (20; 0: keep the stored times)",
+    )
     p.add_argument("--no-train", action="store_true", help="time the variants only")
     args = p.parse_args(argv)
     steps = args.steps or (6 if args.quick else 500)
@@ -161,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        timed = {n: cpu_per_step(n, args.time_steps or (2 if args.quick else 20), args.quick)
-                 for n in names}  # fmt: skip
+        n_timed = (2 if args.quick else 20) if args.time_steps is None else args.time_steps
+        timed = {n: cpu_per_step(n, n_timed, args.quick) for n in names if n_timed}
     finally:
         torch.set_num_threads(old)
     runs = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

@@ -13,6 +13,7 @@ from isotrain.guard import StepGuard
 from isotrain.train import config as C
 from isotrain.train.loop import setup, train
 from isotrain.train.model.gpt import GPT, GPTConfig, rotary
+from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.rundir.snapshot import load_snapshot
 from isotrain.train.step import train_step
 from isotrain.train.update.muon import Muon, MuonAdamW, newton_schulz, split_params
@@ -34,7 +35,7 @@ def _cfg(out, **kw) -> C.TrainConfig:
         speed.model, n_layer=2, n_head=2, d_model=32, block_size=32, dropout=0.1
     )
     optim = dataclasses.replace(speed.optim, warmup_steps=2)
-    data = dataclasses.replace(base.data, max_bytes=60_000)
+    data = dataclasses.replace(base.data, max_bytes=60_000, varlen=kw.pop("varlen", False))
     return dataclasses.replace(base, model=model, optim=optim, data=data, out_dir=str(out), **kw)
 
 
@@ -245,7 +246,9 @@ def test_gpt2_export_refuses_what_gpt2_has_no_place_for() -> None:
 
     with pytest.raises(DataError, match=r"no place for --model.positions rotary, --model.no-tie"):
         to_gpt2_state(_tiny(positions="rotary", tie_head=False))
-    assert "transformer.wpe.weight" in to_gpt2_state(_tiny(zero_init=True))  # zero init: still GPT-2
+    assert "transformer.wpe.weight" in to_gpt2_state(
+        _tiny(zero_init=True)
+    )  # zero init: still GPT-2
 
 
 def test_muon_with_fsdp_is_refused_with_the_fix(tmp_path) -> None:
@@ -254,3 +257,22 @@ def test_muon_with_fsdp_is_refused_with_the_fix(tmp_path) -> None:
         C.ConfigError, match=r"--optim.name muon is invalid: .*try --optim.name adamw"
     ):
         C.validate(cfg)
+
+
+def test_the_five_patterns_compose_with_the_recipe(tmp_path) -> None:
+    cfg = _cfg(
+        tmp_path,
+        compile=C.CompileConfig(enabled=True, backend="eager", fail_on_recompile=True),
+        checkpointing=C.CheckpointingConfig(policy="full"),
+        quant=C.QuantConfig(bits=8),
+        guard=C.GuardConfig(inject_nan_at=(5,)),
+        varlen=True,
+        steps=6,
+    )
+    train(cfg)
+    records = read_metrics(tmp_path)
+    last = [r for r in records if r["kind"] == "train"][-1]
+    assert last["compiles_after_warmup"] == 0 and last["recompiles_after_warmup"] == 0
+    summary = records[-1]
+    assert summary["skipped_nonfinite_loss"] == 1 and summary["steps"] == 6
+    assert math.isfinite(summary["val_loss"])
