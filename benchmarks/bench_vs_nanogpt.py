@@ -10,7 +10,7 @@ no sampled windows. Step times come from each run's own log, in the same blocks 
 evaluation excluded on both sides. Ratios isotrain / nanoGPT carry 95% t intervals: step time
 paired by round, validation loss Welch's over seeds. Writes vs_nanogpt.{md,json}.
 
-`--recipe speedrun` trains isotrain's side with `--preset speedrun` (docs/recipe.md) for its
+`--recipe speedrun` trains isotrain's side with `--preset speedrun` (docs/benchmarks.md) for its
 own, fewer steps (`--recipe-steps`, default the preset's) and reports the time to nanoGPT's
 validation loss: isotrain's whole training time (its steps x its ms per step) over nanoGPT's
 (1000 x its ms per step), paired by round, with isotrain's final loss against nanoGPT's.
@@ -91,7 +91,7 @@ class Recipe:
     log_every: int = 10  # isotrain's metrics cadence: the blocks step times are compared in
     own_eval_iters: int = 200  # nanoGPT's eval_iters at its final evaluation
     agree: float = 0.05  # nats: a run's own (sampled) evaluation against the exact one
-    preset: str = "tiny"  # isotrain's side: nanoGPT's recipe, or "speedrun" (docs/recipe.md)
+    preset: str = "tiny"  # isotrain's side: nanoGPT's recipe, or "speedrun" (docs/benchmarks.md)
     iso_steps: int | None = None  # isotrain's steps when they differ from nanoGPT's
 
 
@@ -428,7 +428,7 @@ def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, q
         "), whole processes in interleaved rounds."
         + (
             f" isotrain's side: `--preset {recipe.preset}` (its own model and optimizer, "
-            f"docs/recipe.md) for {recipe.iso_steps} steps."
+            f"docs/benchmarks.md) for {recipe.iso_steps} steps."
             if recipe.preset != "tiny"
             else ""
         ),

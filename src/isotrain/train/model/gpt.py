@@ -4,7 +4,7 @@ Pre-LayerNorm blocks, learned positions, causal attention through
 `F.scaled_dot_product_attention`, GELU MLP, LM head tied to the token embedding: GPT-2. The
 `GPTConfig` switches `positions`, `qk_norm`, `activation`, `tie_head` and `zero_init` give the
 NanoGPT speedrun's changes (rotary positions, QK-norm, ReLU squared, untied head, zero-init
-projections) one at a time (docs/recipe.md).
+projections) one at a time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
