@@ -10,7 +10,14 @@ no sampled windows. Step times come from each run's own log, in the same blocks 
 evaluation excluded on both sides. Ratios isotrain / nanoGPT carry 95% t intervals: step time
 paired by round, validation loss Welch's over seeds. Writes vs_nanogpt.{md,json}.
 
+`--recipe speedrun` trains isotrain's side with `--preset speedrun` (docs/benchmarks.md) for its
+own, fewer steps (`--recipe-steps`, default the preset's) and reports the time to nanoGPT's
+validation loss: isotrain's whole training time (its steps x its ms per step) over nanoGPT's
+(1000 x its ms per step), paired by round, with isotrain's final loss against nanoGPT's.
+Writes vs_nanogpt_speedrun.{md,json}.
+
     python benchmarks/bench_vs_nanogpt.py --nanogpt ~/src/nanoGPT     # 3 seeds x 1000 steps
+    python benchmarks/bench_vs_nanogpt.py --nanogpt ~/src/nanoGPT --recipe speedrun
     python benchmarks/bench_vs_nanogpt.py --quick     # the stand-in of nanogpt_standin/, seconds
 """
 
@@ -48,6 +55,7 @@ from common import (
     steady_malloc,
     write_results,
 )
+from isotrain.train.config import PRESETS
 from isotrain.train.data.batches import load_corpus
 from isotrain.train.model.gpt import GPT, GPTConfig
 from isotrain.train.model.hf import from_gpt2_state
@@ -83,6 +91,8 @@ class Recipe:
     log_every: int = 10  # isotrain's metrics cadence: the blocks step times are compared in
     own_eval_iters: int = 200  # nanoGPT's eval_iters at its final evaluation
     agree: float = 0.05  # nats: a run's own (sampled) evaluation against the exact one
+    preset: str = "tiny"  # isotrain's side: nanoGPT's recipe, or "speedrun" (docs/benchmarks.md)
+    iso_steps: int | None = None  # isotrain's steps when they differ from nanoGPT's
 
 
 QUICK = Recipe(
@@ -171,18 +181,23 @@ def model_config(recipe: Recipe) -> GPTConfig:
 
 
 def isotrain_flags(recipe: Recipe, seed: int, out: Path) -> list[str]:
-    """`isotrain train`'s flags: the recipe in full, fp32, evaluation only at the end."""
+    """`isotrain train`'s flags: the recipe in full (the speedrun preset's model and optimizer
+    on the same shape, data and schedule), fp32, evaluation only at the end."""
     r = recipe
+    steps = r.iso_steps or r.steps
     flags = {
-        "--preset": "tiny", "--precision": "fp32", "--seed": seed, "--out-dir": out,
-        "--steps": r.steps, "--eval-every": r.steps, "--log-every": r.log_every,
+        "--preset": r.preset, "--precision": "fp32", "--seed": seed, "--out-dir": out,
+        "--steps": steps, "--eval-every": steps, "--log-every": r.log_every,
         "--sample-tokens": 0, "--model.n-layer": r.n_layer, "--model.n-head": r.n_head,
         "--model.d-model": r.d_model, "--model.block-size": r.block_size,
-        "--data.batch-size": r.batch_size, "--data.max-bytes": r.max_bytes, "--optim.lr": r.lr,
-        "--optim.min-lr": r.min_lr, "--optim.warmup-steps": r.warmup_steps,
-        "--optim.weight-decay": r.weight_decay, "--optim.beta1": r.beta1,
-        "--optim.beta2": r.beta2, "--optim.grad-clip": r.grad_clip,
+        "--data.batch-size": r.batch_size, "--data.max-bytes": r.max_bytes,
     }  # fmt: skip
+    if r.preset == "tiny":  # nanoGPT's optimizer and schedule; the speedrun preset keeps its own
+        flags |= {
+            "--optim.lr": r.lr, "--optim.min-lr": r.min_lr, "--optim.warmup-steps": r.warmup_steps,
+            "--optim.weight-decay": r.weight_decay, "--optim.beta1": r.beta1,
+            "--optim.beta2": r.beta2, "--optim.grad-clip": r.grad_clip,
+        }  # fmt: skip
     return [*(s for k, v in flags.items() for s in (k, str(v))), "--no-progress"]
 
 
@@ -321,23 +336,37 @@ def rounds(checkout: Path, recipe: Recipe, seeds: list[int], work: Path) -> dict
     return runs
 
 
-def recipe_checks(recipe: Recipe, runs: dict[str, list]) -> dict[str, dict[str, Any]]:
+def recipe_checks(
+    recipe: Recipe, runs: dict[str, list], *, quick: bool = False
+) -> dict[str, dict[str, Any]]:
     """Every run finished the recipe's steps with isotrain's config equal to it; one evaluator
-    agrees with each run's own (sampled) evaluation."""
+    agrees with each run's own (sampled) evaluation; a speedrun (not a smoke run, too short to
+    learn) reached nanoGPT's mean validation loss."""
     everyone = runs["nanogpt"] + runs["isotrain"]
     steps = [r["steps"] for r in everyone]
+    wanted = [recipe.steps] * len(runs["nanogpt"]) + [recipe.iso_steps or recipe.steps] * len(
+        runs["isotrain"]
+    )
     cfgs = [r["config"] for r in runs["isotrain"]]
     same = all(
         c["model"]["n_layer"] == recipe.n_layer and c["model"]["d_model"] == recipe.d_model
         and c["model"]["block_size"] == recipe.block_size and c["model"]["dropout"] == 0.0
         and c["model"]["bias"] and c["data"]["batch_size"] == recipe.batch_size
-        and c["optim"]["lr"] == recipe.lr and c["optim"]["min_lr"] == recipe.min_lr
-        and c["optim"]["grad_clip"] == recipe.grad_clip and c["precision"] == "fp32"
+        and c["precision"] == "fp32"
+        and (recipe.preset != "tiny" or (
+            c["optim"]["lr"] == recipe.lr and c["optim"]["min_lr"] == recipe.min_lr
+            and c["optim"]["grad_clip"] == recipe.grad_clip and c["optim"]["name"] == "adamw"))
         for c in cfgs
     )  # fmt: skip
     gaps = [abs(r["val"] - r["own_val"]) for r in everyone]
-    return {
-        "finished every step": check(set(steps) == {recipe.steps}, f"steps {steps}"),
+    reached = {}
+    if recipe.preset != "tiny" and not quick:
+        iso, nano = (statistics.fmean(r["val"] for r in runs[k]) for k in ("isotrain", "nanogpt"))
+        reached["reached nanoGPT's val"] = check(
+            iso <= nano, f"isotrain {iso:.4f} <= nanoGPT {nano:.4f} (means over seeds)"
+        )
+    return reached | {
+        "finished every step": check(steps == wanted, f"steps {steps}"),
         "same recipe": check(
             same,
             "isotrain's resolved config against the recipe; nanoGPT's "
@@ -355,6 +384,27 @@ def own_eval(run: dict, recipe: Recipe, summary: dict) -> str:
     if run["own_eval_batches"] * recipe.batch_size >= summary["eval_windows"]:
         return "every window of the split: exact"
     return f"{run['own_eval_batches']} batches"
+
+
+def train_seconds(run: dict) -> float:
+    """A run's training time: its steps at its median ms per step (evaluation excluded)."""
+    return run["steps"] * run["ms_per_step"] / 1e3
+
+
+def speedrun_rows(recipe: Recipe, runs: dict[str, list], summary: dict) -> list[str]:
+    """With `--recipe speedrun`: the time to nanoGPT's loss, wall and process CPU."""
+    if "time_to_val" not in summary:
+        return []
+    nano, iso = runs["nanogpt"], runs["isotrain"]
+    t = [[train_seconds(r) for r in side] for side in (nano, iso)]
+    cpu = [[r["cpu_s"] for r in side] for side in (nano, iso)]
+    return [
+        f"| time to nanoGPT's {recipe.steps}-step val: training s ({recipe.steps} against "
+        f"{recipe.iso_steps} steps x ms/step) | {fmt_side(t[0], 0)} | {fmt_side(t[1], 0)} | "
+        f"{fmt_ratio(summary['time_to_val'])} (paired by round, t) |",
+        f"| whole process CPU s (start-up and evaluations included) | {fmt_side(cpu[0], 0)} | "
+        f"{fmt_side(cpu[1], 0)} | {fmt_ratio(summary['cpu_to_val'])} (paired by round, t) |",
+    ]
 
 
 def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, quick: bool) -> str:
@@ -375,17 +425,25 @@ def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, q
         f"cosine to {recipe.min_lr:g}, warmup {recipe.warmup_steps}, wd {recipe.weight_decay:g}, "
         f"betas {recipe.beta1}/{recipe.beta2}, clip {recipe.grad_clip:g}, {recipe.steps} steps, "
         f"fp32, no compile, CPU; {len(nano)} seeds each ({', '.join(str(r['seed']) for r in nano)}"
-        "), whole processes in interleaved rounds.",
+        "), whole processes in interleaved rounds."
+        + (
+            f" isotrain's side: `--preset {recipe.preset}` (its own model and optimizer, "
+            f"docs/benchmarks.md) for {recipe.iso_steps} steps."
+            if recipe.preset != "tiny"
+            else ""
+        ),
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|---|---:|---:|---:|",
-        f"| val loss at equal tokens, one evaluator (nats/byte) | {fmt_side(val[0], 4)} | "
+        f"| val loss {'at equal tokens' if recipe.preset == 'tiny' else 'at the end'}, one "
+        f"evaluator (nats/byte) | {fmt_side(val[0], 4)} | "
         f"{fmt_side(val[1], 4)} | {fmt_ratio(summary['val_ratio'])} (Welch t, over seeds) |",
         f"| step time, ms (median of {recipe.log_every}-step blocks, evaluation excluded) | "
         f"{fmt_side(ms[0], 1)} | {fmt_side(ms[1], 1)} | {fmt_ratio(summary['time_ratio'])} "
         "(paired by round, t) |",
         f"| its own evaluation | {fmt_side(own[0], 4)} ({recipe.own_eval_iters} random batches) "
         f"| {fmt_side(own[1], 4)} ({own_eval(iso[0], recipe, summary)}) | |",
+        *speedrun_rows(recipe, runs, summary),
         "",
         f"One evaluator: isotrain's GPT (nanoGPT's ckpt.pt mapped through GPT-2's layout) on all "
         f"{summary['eval_windows']} non-overlapping {recipe.block_size}-byte windows of the "
@@ -431,10 +489,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--keep", type=Path, default=None, help="keep the runs here (default: a temp dir)"
     )
+    p.add_argument(
+        "--recipe",
+        choices=("nanogpt", "speedrun"),
+        default="nanogpt",
+        help="isotrain's side: nanoGPT's recipe, or --preset speedrun for fewer steps",
+    )
+    p.add_argument(
+        "--recipe-steps", type=int, default=None, help="speedrun's steps (the preset's; quick 10)"
+    )
     args = p.parse_args(argv)
     recipe = QUICK if args.quick else Recipe()
     if args.steps:
         recipe = dataclasses.replace(recipe, steps=args.steps)
+    if args.recipe == "speedrun":
+        own = args.recipe_steps or (
+            recipe.steps // 2 if args.quick else PRESETS["speedrun"]().steps
+        )
+        recipe = dataclasses.replace(recipe, preset="speedrun", iso_steps=own)
     if args.nanogpt is None and not args.quick:
         raise SystemExit("no nanoGPT checkout: pass --nanogpt PATH or set NANOGPT=PATH")
     checkout = Path(args.nanogpt or STANDIN).expanduser().resolve()
@@ -467,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
         - statistics.fmean(r["val"] for r in nano),
         "eval_windows": (runs["data"][0]["val_tokens"] - 1) // recipe.block_size,
     }
-    checks = recipe_checks(recipe, runs)
+    if recipe.preset != "tiny":
+        by_round = [sorted(side, key=lambda r: r["round"]) for side in (iso, nano)]
+        summary["time_to_val"] = paired_ratio(*([train_seconds(r) for r in s] for s in by_round))
+        summary["cpu_to_val"] = paired_ratio(*([r["cpu_s"] for r in s] for s in by_round))
+    checks = recipe_checks(recipe, runs, quick=args.quick)
     md = markdown(meta, recipe, runs, summary, checkout == STANDIN)
     for r in iso:
         r.pop("config")
@@ -478,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "checks": checks,
     }
-    return write_results(out, "vs_nanogpt", payload, "\n".join([md, *checks_md(checks)]))
+    stem = "vs_nanogpt" if recipe.preset == "tiny" else f"vs_nanogpt_{recipe.preset}"
+    return write_results(out, stem, payload, "\n".join([md, *checks_md(checks)]))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,12 @@ PRESET_VALUES = {
         **{"steps": 8, "eval_every": 4, "eval_batches": 2, "log_every": 2},
         **{"sample_tokens": 16, "progress": True, "snapshot.every": 0},
     },
+    "speedrun": {
+        **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 128},
+        **{"model.positions": "rotary", "model.qk_norm": True, "model.activation": "relu2"},
+        **{"model.tie_head": False, "model.zero_init": True, "optim.name": "muon"},
+        **{"data.batch_size": 16, "optim.lr": 4e-3, "optim.warmup_steps": 50, "steps": 300},
+    },
 }
 
 
@@ -85,7 +91,10 @@ def test_presets_have_their_values_and_build_their_model(name: str) -> None:
     m = cfg.model
     model = build_model(cfg.model)
     n = model.num_params(non_embedding=False)
-    assert n == _gpt_params(m.n_layer, m.d_model, m.block_size, m.vocab_size)
+    n_gpt2 = _gpt_params(m.n_layer, m.d_model, m.block_size, m.vocab_size)
+    untied = 0 if m.tie_head else m.vocab_size * m.d_model
+    rotary = m.block_size * m.d_model if m.positions == "rotary" else 0
+    assert n == n_gpt2 + untied - rotary
     if name == "tiny":  # its docstring: "about 0.8M parameters" (without position embeddings)
         assert abs(model.num_params() - 0.8e6) < 0.05e6
 

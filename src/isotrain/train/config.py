@@ -80,8 +80,12 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
-    """AdamW and the learning-rate schedule."""
+    """The optimizer and the learning-rate schedule."""
 
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW on every parameter; muon: torch.optim.Muon on the blocks' 2-D matrices
+    (its step scaled to AdamW's RMS, so --optim.lr serves both) and AdamW on embeddings, head,
+    norms and biases (one optimizer object: the guard, snapshots and schedule see both)."""
     lr: float = 4e-3
     """Peak learning rate after warmup."""
     min_lr: float = 2e-4
@@ -96,6 +100,8 @@ class OptimConfig:
     """AdamW beta2."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
+    muon_momentum: float = 0.95
+    """Muon's Nesterov momentum (--optim.name muon)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +284,19 @@ def _small() -> TrainConfig:
     )
 
 
+def _speedrun() -> TrainConfig:
+    """The tiny shape with the NanoGPT speedrun's changes (docs/benchmarks.md): Muon on the
+    hidden matrices, rotary positions, QK-norm, ReLU squared, untied zero-init head and projections;
+    300 steps reach the tiny preset's 1000-step validation loss."""
+    return TrainConfig(
+        model=ModelConfig(
+            positions="rotary", qk_norm=True, activation="relu2", tie_head=False, zero_init=True
+        ),
+        optim=OptimConfig(name="muon"),
+        steps=300,  # nanoGPT's 1000-step loss in 0.4x its CPU time
+    )
+
+
 def _smoke() -> TrainConfig:
     """Seconds-long run for tests and a quick look."""
     return TrainConfig(
@@ -294,7 +313,12 @@ def _smoke() -> TrainConfig:
     )
 
 
-PRESETS: dict[str, Callable[[], TrainConfig]] = {"tiny": _tiny, "small": _small, "smoke": _smoke}
+PRESETS: dict[str, Callable[[], TrainConfig]] = {
+    "tiny": _tiny,
+    "small": _small,
+    "smoke": _smoke,
+    "speedrun": _speedrun,
+}
 
 
 def apply_toml(cfg: TrainConfig, path: str | Path) -> TrainConfig:
@@ -350,7 +374,10 @@ RULES: dict[str, tuple[Callable[[Any], bool], str] | tuple[Callable[[Any], bool]
     **dict.fromkeys(
         ("guard.rollback_after", "guard.spike_k"), (_at_least_0, "use 0 (off) or more")
     ),
-    **dict.fromkeys(("model.dropout", "optim.beta1", "optim.beta2"), (_unit, "use [0, 1)")),
+    **dict.fromkeys(
+        ("model.dropout", "optim.beta1", "optim.beta2", "optim.muon_momentum"),
+        (_unit, "use [0, 1)"),
+    ),
     "data.val_fraction": (lambda v: 0.0 < v < 1.0, "use a value in (0, 1)"),
     "optim.lr": (_positive, "the learning rate must be positive"),
     "precision_probe_seconds": (_positive, "the probe needs a positive number of seconds"),
@@ -386,6 +413,14 @@ def _check_relations(cfg: TrainConfig) -> None:
         m.d_model,
         f"it must be divisible by --model.n-head ({m.n_head})",
         f"--model.d-model {m.n_head * 32}",
+    )
+    _check(
+        o.name != "muon" or cfg.parallel.mode != "fsdp",
+        "optim.name",
+        o.name,
+        "Muon orthogonalises whole matrices, which FSDP shards across ranks; use "
+        "--parallel.mode ddp",
+        "--optim.name adamw",
     )
     _check(
         o.min_lr <= o.lr,

@@ -116,7 +116,7 @@ def short_help(cfg: TrainConfig) -> str:
     """The short page: usage, the common flags with their values under this preset/config,
     one line per section, and how to see the rest."""
     rows = [
-        ("--preset NAME", f"tiny (default), small, smoke; --help {PRESETS_PAGE}"),
+        ("--preset NAME", f"tiny (default), small, smoke, speedrun; --help {PRESETS_PAGE}"),
         ("--config FILE.toml", "settings from a TOML file ([model], [optim], ... sections; "
          "a run's OUT_DIR/config.toml works as is)"),
         ("--nproc-per-node N", "N workers here through torchrun; see --help parallel"),

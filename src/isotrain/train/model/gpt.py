@@ -1,7 +1,10 @@
 """A decoder-only GPT: a pure nn.Module (no optimizer building, no printing, no device moves).
 
 Pre-LayerNorm blocks, learned positions, causal attention through
-`F.scaled_dot_product_attention`, GELU MLP, LM head tied to the token embedding.
+`F.scaled_dot_product_attention`, GELU MLP, LM head tied to the token embedding: GPT-2. The
+`GPTConfig` switches `positions`, `qk_norm`, `activation`, `tie_head` and `zero_init` give the
+NanoGPT speedrun's changes (rotary positions, QK-norm, ReLU squared, untied head, zero-init
+projections) one at a time (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -15,9 +18,23 @@ from torch import nn
 
 from isotrain.train.model.shape import GPTConfig
 
-__all__ = ["GPT", "Block", "GPTConfig"]
+__all__ = ["GPT", "Block", "GPTConfig", "rotary"]
 
 IGNORE_INDEX = -100
+ROTARY_BASE = 10000.0
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair of channels (i, i + D/2) of x (B, H, T, D) by angle t * base^(-2i/D) at
+    position t (RoPE): a query-key dot product then depends only on their distance."""
+    T, D = x.size(-2), x.size(-1)
+    freq = ROTARY_BASE ** -(
+        torch.arange(0, D // 2, device=x.device, dtype=torch.float32) / (D // 2)
+    )
+    angle = torch.outer(torch.arange(T, device=x.device, dtype=torch.float32), freq)  # (T, D/2)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -27,6 +44,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.rotary, self.qk_norm = cfg.positions == "rotary", cfg.qk_norm
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
@@ -37,6 +55,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, H, T, D)
+        if self.qk_norm:
+            q, k = F.rms_norm(q, (q.size(-1),)), F.rms_norm(k, (k.size(-1),))
+        if self.rotary:
+            q, k = rotary(q), rotary(k)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
@@ -44,7 +66,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward: d -> 4d -> GELU -> d."""
+    """Position-wise feed-forward: d -> 4d -> GELU (or ReLU squared) -> d."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -52,9 +74,12 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        self.relu2 = cfg.activation == "relu2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
+        h = self.fc(x)
+        h = F.relu(h).square() if self.relu2 else F.gelu(h, approximate=self.approximate)
+        return self.drop(self.proj(h))
 
 
 class Block(nn.Module):
@@ -85,17 +110,21 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model) if cfg.positions == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied: one matrix for input and output
+        if cfg.tie_head:
+            self.lm_head.weight = self.wte.weight  # tied: one matrix for input and output
         self.apply(self._init_weights)
         # NOTE [residual init]: scale the projections into the residual stream by
-        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth (GPT-2).
+        # 1/sqrt(2 * n_layer) so the stream's variance does not grow with depth (GPT-2);
+        # zero_init starts them (and an untied head) at zero instead (the NanoGPT speedrun).
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if cfg.zero_init and (name.endswith("proj.weight") or name == "lm_head.weight"):
+                nn.init.zeros_(p)
+            elif name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -108,7 +137,7 @@ class GPT(nn.Module):
     def num_params(self, *, non_embedding: bool = True) -> int:
         """Parameter count; position embeddings excluded by default (as is usual)."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        return n - self.wpe.weight.numel() if non_embedding and self.wpe is not None else n
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, T, vocab) without targets; mean cross-entropy with them.
@@ -121,8 +150,10 @@ class GPT(nn.Module):
                 f"sequence length {T} exceeds block_size {self.cfg.block_size}; "
                 "crop the input or train with a larger --model.block-size"
             )
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        x = self.wte(idx)  # (B, T, C)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(T, device=idx.device))
+        x = self.drop(x)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, vocab)

@@ -72,6 +72,22 @@ def _bias_like(name: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def to_gpt2_state(model: GPT) -> dict[str, torch.Tensor]:
     """GPT-2 names and layouts (contiguous copies; the tied head is stored once, as wte)."""
+    c = model.cfg
+    other = [
+        what
+        for what, differs in (
+            ("--model.positions rotary", c.positions != "learned"),
+            ("--model.qk-norm", c.qk_norm),
+            ("--model.activation relu2", c.activation != "gelu"),
+            ("--model.no-tie-head", not c.tie_head),
+        )
+        if differs
+    ]
+    if other:
+        raise DataError(
+            f"GPT-2's layout has no place for {', '.join(other)}; export this model as isotrain's "
+            "own .safetensors instead"
+        )
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     out = {}
     for ours, theirs, transposed in _pairs(model.cfg.n_layer):

@@ -34,3 +34,15 @@ class GPTConfig:
     """Use biases in Linear and LayerNorm layers."""
     gelu: Literal["exact", "tanh"] = "exact"
     """GELU form in the MLP: exact (erf), or tanh (GPT-2's approximation, for its checkpoints)."""
+    activation: Literal["gelu", "relu2"] = "gelu"
+    """MLP nonlinearity: gelu (GPT-2), or relu2, ReLU squared (the NanoGPT speedrun's)."""
+    positions: Literal["learned", "rotary"] = "learned"
+    """learned: a position embedding added to the input (GPT-2); rotary: queries and keys
+    rotated by their position in each attention layer (RoPE), no position parameters."""
+    qk_norm: bool = False
+    """RMS-normalise each head's queries and keys before attention (bounds the logits)."""
+    tie_head: bool = True
+    """The LM head is the token embedding (GPT-2); False gives the head its own matrix."""
+    zero_init: bool = False
+    """Start the projections into the residual stream (and an untied head) at zero, so each
+    block begins as the identity."""

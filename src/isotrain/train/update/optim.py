@@ -1,4 +1,5 @@
-"""AdamW with decay / no-decay parameter groups, and the LR schedule as a pure function of step."""
+"""The optimizer (AdamW with decay / no-decay groups, or Muon with AdamW: `--optim.name`) and
+the LR schedule as a pure function of step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from isotrain.train.config import OptimConfig
+from isotrain.train.update.muon import MuonAdamW
 
 __all__ = ["build_optimizer", "lr_at", "set_lr"]
 
@@ -28,8 +30,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def build_optimizer(
     model: nn.Module, cfg: OptimConfig, *, fused: bool | None = None
-) -> torch.optim.AdamW:
-    """AdamW over `model`'s trainable parameters.
+) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters, or `MuonAdamW` with `--optim.name muon`.
 
     `fused=None` picks the fused kernel where this torch has it for the parameters' device:
     it is faster and honours the `found_inf` skip protocol the guard relies on.
@@ -37,6 +39,15 @@ def build_optimizer(
     if fused is None:
         device = next(model.parameters()).device.type
         fused = device in ("cuda", "cpu")
+    if cfg.name == "muon":
+        return MuonAdamW(
+            model,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            betas=(cfg.beta1, cfg.beta2),
+            momentum=cfg.muon_momentum,
+            fused=fused,
+        )
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
         lr=cfg.lr,
