@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from isotrain.doctor.data.draw import draw, leaves, map_style
 from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
+from isotrain.doctor.ground.globals import cell_full
 from isotrain.doctor.ground.kinds import Check, Kind
 
 __all__ = ["SPLITS", "check_splits", "eval_loaders"]
@@ -43,7 +44,7 @@ def eval_loaders(ctx: Context) -> list[DataLoader[Any]]:
         if isinstance(f, functools.partial):
             values = [*f.args, *f.keywords.values(), f.func]
         elif isinstance(f, types.FunctionType):
-            cells = [c.cell_contents for c in f.__closure__ or () if _full(c)]
+            cells = [c.cell_contents for c in f.__closure__ or () if cell_full(c)]
             names = [f.__globals__[n] for n in f.__code__.co_names if n in f.__globals__]
             values = [*cells, *names]
         else:
@@ -54,14 +55,6 @@ def eval_loaders(ctx: Context) -> list[DataLoader[Any]]:
             elif isinstance(v, (types.FunctionType, functools.partial)):
                 todo.append(v)
     return list(found.values())
-
-
-def _full(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True
 
 
 def _root(dataset: Any) -> tuple[Any, list[int]]:

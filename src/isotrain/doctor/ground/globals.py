@@ -22,7 +22,7 @@ import torch
 
 from isotrain._torch_private import tensor_version
 
-__all__ = ["StepState"]
+__all__ = ["StepState", "cell_full"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _CONTAINERS = (dict, list, set)
@@ -145,11 +145,12 @@ def _functions(*fns: Any) -> list[types.FunctionType]:
             g = f.__globals__.get(name)
             if isinstance(g, types.FunctionType) and g.__globals__ is f.__globals__:
                 todo.append(g)
-        todo += [c.cell_contents for c in f.__closure__ or () if _full(c)]
+        todo += [c.cell_contents for c in f.__closure__ or () if cell_full(c)]
     return list(seen.values())
 
 
-def _full(cell: Any) -> bool:
+def cell_full(cell: Any) -> bool:
+    """Whether a closure cell holds a value (an empty one raises on reading)."""
     try:
         cell.cell_contents  # noqa: B018 (an empty cell raises)
     except ValueError:
@@ -191,7 +192,7 @@ class StepState:
                 if name in f.__globals__ and _kept(f.__globals__[name], self.skip):
                     self._keep(f.__globals__, name, saver, name)
             for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-                if _full(cell) and _kept(cell.cell_contents, self.skip):
+                if cell_full(cell) and _kept(cell.cell_contents, self.skip):
                     self._keep(cell, "cell_contents", saver, var)
         self.left_out, self.missed = saver.left_out, saver.missed
 
