@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from tests.train.trained import params_after
 
 from isotrain.autograd import QuantLinear
 from isotrain.autograd import _linear as autograd_linear
@@ -21,18 +22,10 @@ def _cfg(tmp_path, **kw) -> C.TrainConfig:
     return dataclasses.replace(base, data=data, out_dir=str(tmp_path), **kw)
 
 
-def _params_after(cfg: C.TrainConfig, steps: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(cfg.seed)
-    run = setup(cfg)
-    for _ in range(steps):
-        train_step(run)
-    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-
-
 def test_activation_checkpointing_leaves_training_bit_identical(tmp_path) -> None:
-    plain = _params_after(_cfg(tmp_path), 3)
+    plain = params_after(_cfg(tmp_path), 3)
     for policy in ("full", "every:2", "selective", "budget:50%"):
-        ckpt = _params_after(_cfg(tmp_path, checkpointing=C.CheckpointingConfig(policy=policy)), 3)
+        ckpt = params_after(_cfg(tmp_path, checkpointing=C.CheckpointingConfig(policy=policy)), 3)
         assert plain.keys() == ckpt.keys()
         for name in plain:
             assert torch.equal(plain[name], ckpt[name]), (policy, name)

@@ -8,14 +8,14 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.train.trained import params_after, tensors
 
 from isotrain.guard import StepGuard
 from isotrain.train import config as C
-from isotrain.train.loop import setup, train
+from isotrain.train.loop import train
 from isotrain.train.model.gpt import GPT, GPTConfig, rotary
 from isotrain.train.rundir.metrics import read_metrics
 from isotrain.train.rundir.snapshot import load_snapshot
-from isotrain.train.step import train_step
 from isotrain.train.update.muon import Muon, MuonAdamW, newton_schulz, split_params
 from isotrain.train.update.optim import build_optimizer
 
@@ -174,34 +174,15 @@ def test_guard_skip_leaves_weights_and_both_optimizers_bitwise(mode) -> None:
     assert not torch.equal(model.wte.weight, weights["wte.weight"])
 
 
-def _params_after(cfg: C.TrainConfig, steps: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(cfg.seed)
-    run = setup(cfg)
-    for _ in range(steps):
-        train_step(run)
-    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-
-
 def test_activation_checkpointing_is_bit_identical_with_the_recipe(tmp_path) -> None:
-    plain = _params_after(_cfg(tmp_path / "a"), 3)
+    plain = params_after(_cfg(tmp_path / "a"), 3)
     for policy in ("full", "selective"):
-        ckpt = _params_after(
+        ckpt = params_after(
             _cfg(tmp_path / policy, checkpointing=C.CheckpointingConfig(policy=policy)), 3
         )
         assert plain.keys() == ckpt.keys()
         for name in plain:
             assert torch.equal(plain[name], ckpt[name]), (policy, name)
-
-
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
 
 
 def test_resume_is_bit_exact_with_muon_and_adamw(tmp_path) -> None:
@@ -217,8 +198,8 @@ def test_resume_is_bit_exact_with_muon_and_adamw(tmp_path) -> None:
     assert rules == ["muon", "adamw", "adamw"]
     kinds = {k for st in a["optimizer"]["state"].values() for k in st}
     assert kinds == {"momentum_buffer", "step", "exp_avg", "exp_avg_sq"}
-    ta, tb = dict(_tensors(a["model"])), dict(_tensors(b["model"]))
-    ta.update(_tensors(a["optimizer"], "opt")), tb.update(_tensors(b["optimizer"], "opt"))
+    ta, tb = dict(tensors(a["model"])), dict(tensors(b["model"]))
+    ta.update(tensors(a["optimizer"], "opt")), tb.update(tensors(b["optimizer"], "opt"))
     assert ta.keys() == tb.keys()
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name

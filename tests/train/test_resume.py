@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import torch
+from tests.train.trained import tensors
 
 from isotrain.train import config as C
 from isotrain.train.loop import train
@@ -39,17 +40,6 @@ def _cfg(out, **kw) -> C.TrainConfig:
     )
 
 
-def _tensors(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, f"{prefix}.{k}")
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _tensors(v, f"{prefix}[{i}]")
-
-
 def test_resume_is_bit_exact(tmp_path) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(_cfg(straight))
@@ -59,8 +49,8 @@ def test_resume_is_bit_exact(tmp_path) -> None:
     assert state.step == 7
     a, _ = load_snapshot(straight)
     b, _ = load_snapshot(resumed)
-    ta, tb = dict(_tensors(a["model"])), dict(_tensors(b["model"]))
-    ta.update(_tensors(a["optimizer"], "opt")), tb.update(_tensors(b["optimizer"], "opt"))
+    ta, tb = dict(tensors(a["model"])), dict(tensors(b["model"]))
+    ta.update(tensors(a["optimizer"], "opt")), tb.update(tensors(b["optimizer"], "opt"))
     assert ta.keys() == tb.keys()
     for name in ta:
         assert torch.equal(ta[name], tb[name]), name
