@@ -222,6 +222,11 @@ def run_isotrain(recipe: Recipe, seed: int, work: Path) -> dict:
     }
 
 
+def _waited(runs: list[dict[str, Any]], meta: dict[str, Any]) -> bool:
+    """Whether some run waited for a core: its CPU time under 95% of wall x its threads."""
+    return any(r["cpu_s"] < 0.95 * r["wall_s"] * meta["threads"] for r in runs)
+
+
 def _run(cmd: list[str], cwd: Path | None = None) -> dict[str, Any]:
     """Run a trainer; its stdout, wall seconds and CPU seconds (children's rusage)."""
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
@@ -458,8 +463,9 @@ def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, q
         + (
             "The machine was shared while this ran: the step times and their ratio are not a "
             "speed result; the losses do not depend on load."
-            if max(loads) > 0.5 * meta["cores"]
-            else "A quiet machine."
+            if _waited(nano + iso, meta)
+            else "Each process had its threads' cores (CPU s >= 95% of wall s x threads), so no "
+            "run waited; the load above includes the run before it."
         ),
         "",
         "| round | trainer | seed | val (one evaluator) | own eval | ms/step | process wall s "
