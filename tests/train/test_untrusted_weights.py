@@ -140,8 +140,9 @@ ST_CASES = [
      "<file> (isotrain_model_config): d_model 16 is invalid: it must be divisible by n_head (3); "
      "try a file written by isotrain export"),
     ("config-unknown-key", _with_config(colour="red"),
-     "<file> (isotrain_model_config): unknown model setting 'colour' (known: bias, block_size, "
-     "d_model, dropout, gelu, n_head, n_layer, vocab_size); try a file written by isotrain export"),
+     "<file> (isotrain_model_config): unknown model setting 'colour' (known: activation, bias, "
+     "block_size, d_model, dropout, gelu, n_head, n_layer, positions, qk_norm, tie_head, "
+     "vocab_size, zero_init); try a file written by isotrain export"),
     ("config-a-json-list", _with_meta("isotrain_model_config", "[1, 2]"),
      "<file> (isotrain_model_config): the model config is a JSON list; try a file written by "
      "isotrain export"),

@@ -88,7 +88,8 @@ TRAIN_CASES = [
      "unexpected argument 'yes'; try isotrain train --help"),
     ("unknown-key", [], "[model]\nwidth = 3\n",
      "--config <toml>: unknown setting 'model.width'; try one of n_layer, n_head, d_model, "
-     "block_size, vocab_size, dropout, bias, gelu"),
+     "block_size, vocab_size, dropout, bias, gelu, activation, positions, qk_norm, tie_head, "
+     "zero_init"),
     ("misspelt-key", [], "[model]\nd_modle = 64\n",
      "--config <toml>: unknown setting 'model.d_modle'; try 'model.d_model'"),
     ("unknown-section", [], "[modle]\nn_layer = 3\n",
@@ -136,7 +137,7 @@ TRAIN_CASES = [
      "--config <toml>: optim.lr = \"fast\" is invalid: it must be a number; "
      "try [optim] lr = 0.002"),
     ("preset-unknown", ["--preset", "huge"], None,
-     "--preset 'huge' is not a preset; try one of tiny, small, smoke"),
+     "--preset 'huge' is not a preset; try one of tiny, small, smoke, speedrun"),
     ("preset-no-value", ["--preset"], None,
      "--preset needs a value; try isotrain train --help"),
     ("help-unknown-section", ["--help", "modle"], None,
