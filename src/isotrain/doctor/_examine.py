@@ -197,9 +197,7 @@ def examine(
 
     Example: ``print(examine(model, opt, [b0, b1], step=train_step, eval_fn=evaluate))``
     """
-    _refuse_bad_arguments(model, task, total_steps, step, epoch)
-    if (save is None) != (load is None):
-        raise ValueError("pass save=your_save(path) and load=your_load(path) together")
+    _refuse_bad_arguments(model, task, total_steps, (step, epoch), (save, load))
     optimizers = optimizers_in(optimizer)
     families, kinds = _selected(checks)
     started = time.perf_counter()
@@ -221,7 +219,7 @@ def examine(
 
 
 def _refuse_bad_arguments(
-    model: Any, task: str | None, total_steps: Any, step: Any, epoch: Any
+    model: Any, task: str | None, total_steps: Any, drivers: tuple[Any, Any], io: tuple[Any, Any]
 ) -> None:
     """One line for an argument examine cannot take, before anything runs."""
     if not isinstance(model, nn.Module):
@@ -230,8 +228,10 @@ def _refuse_bad_arguments(
         raise ValueError(f"task must be one of {', '.join(map(repr, _TASKS))}, got {task!r}")
     if total_steps is not None and (not isinstance(total_steps, int) or total_steps < 1):
         raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
-    if step is not None and epoch is not None:
+    if None not in drivers:
         raise ValueError("pass step=your_step or epoch=your_epoch, not both")
+    if (io[0] is None) != (io[1] is None):
+        raise ValueError("pass save=your_save(path) and load=your_load(path) together")
 
 
 def _driver(
