@@ -120,7 +120,7 @@ def test_integrations_import_public_packages_and_their_frameworks_only() -> None
 # down: each may import only what stands below it. Read docs/layout.md with it.
 TRAINER_ORDER = (
     "cli", "loop", "watch", "inputs", "weights", "report", "step", "update", "rundir", "state",
-    "precision", "parallel", "config", "model", "data", "environment", "files", "fields",
+    "precision", "parallel", "rules", "config", "model", "data", "environment", "files", "fields",
 )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import operator
 import pytest
 
 from isotrain.train import config as C
+from isotrain.train import rules as R
 from isotrain.train.cli.main import parse_train_args
 from isotrain.train.model import shape as model_module
 from isotrain.train.weights.load import build_model
@@ -85,7 +86,7 @@ def _gpt_params(n_layer: int, d: int, block_size: int, vocab: int) -> int:
 @pytest.mark.parametrize("name", sorted(PRESET_VALUES))
 def test_presets_have_their_values_and_build_their_model(name: str) -> None:
     assert sorted(C.PRESETS) == sorted(PRESET_VALUES)
-    cfg = C.validate(C.PRESETS[name]())
+    cfg = R.validate(C.PRESETS[name]())
     values = {path: operator.attrgetter(path)(cfg) for path in PRESET_VALUES[name]}
     assert values == PRESET_VALUES[name]
     m = cfg.model
@@ -180,7 +181,7 @@ def test_toml_unknown_key_and_missing_file(tmp_path) -> None:
 )
 def test_validation_names_flag_value_and_fix(changes, message) -> None:
     with pytest.raises(C.ConfigError) as info:
-        C.validate(dataclasses.replace(C.TrainConfig(), **changes))
+        R.validate(dataclasses.replace(C.TrainConfig(), **changes))
     assert str(info.value) == message
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from isotrain.train import config as C
+from isotrain.train import rules as R
 from isotrain.train.cli.main import parse_train_args
 from isotrain.train.loop import train
 from isotrain.train.rundir.snapshot import find_snapshots, load_snapshot
@@ -112,7 +113,7 @@ def _flat(cfg: C.TrainConfig) -> dict[str, object]:
 def test_crash_test_flags_resolve_over_the_smoke_preset() -> None:
     # Each flag replaces its preset value, parsed to the field's type; every other setting is
     # the smoke preset's (not the tiny default's), and the result validates.
-    cfg = C.validate(parse_train_args(ARGS))
+    cfg = R.validate(parse_train_args(ARGS))
     preset, got = _flat(C.PRESETS["smoke"]()), _flat(cfg)
     changed = {k: v for k, v in got.items() if v != preset[k]}
     assert changed == {
@@ -127,4 +128,4 @@ def test_crash_test_flags_resolve_over_the_smoke_preset() -> None:
     # A later flag wins over an earlier one, and validation names the flag, value and fix.
     message = r"^--snapshot.keep 0 is invalid: keep at least 1; try --snapshot.keep 2$"
     with pytest.raises(C.ConfigError, match=message):
-        C.validate(parse_train_args([*ARGS, "--snapshot.keep", "0"]))
+        R.validate(parse_train_args([*ARGS, "--snapshot.keep", "0"]))

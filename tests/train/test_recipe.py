@@ -12,6 +12,7 @@ from tests.train.trained import params_after, tensors
 
 from isotrain.guard import StepGuard
 from isotrain.train import config as C
+from isotrain.train import rules as R
 from isotrain.train.loop import train
 from isotrain.train.model.gpt import GPT, GPTConfig, rotary
 from isotrain.train.rundir.metrics import read_metrics
@@ -237,7 +238,7 @@ def test_muon_with_fsdp_is_refused_with_the_fix(tmp_path) -> None:
     with pytest.raises(
         C.ConfigError, match=r"--optim.name muon is invalid: .*try --optim.name adamw"
     ):
-        C.validate(cfg)
+        R.validate(cfg)
 
 
 def test_the_five_patterns_compose_with_the_recipe(tmp_path) -> None:

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -206,7 +207,7 @@ class _Compiled(ForwardWrapper):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.compiler.is_compiling():
-            _eager_probe(self)
+            _eager_probe()(self)
         return self.call_inner(*args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -263,8 +264,11 @@ def _eager_probe_impl(wrapper: _Compiled) -> None:
     note_eager(module, why)
 
 
-# Never traced (the branch calling it folds away) and never compiled as a frame of its own.
-_eager_probe: Callable[[_Compiled], None] = torch.compiler.disable(_eager_probe_impl)
+@functools.cache
+def _eager_probe() -> Callable[[_Compiled], None]:
+    """The probe, never traced (the branch calling it folds away) and never compiled as a frame
+    of its own; wrapped on first use, as `torch.compiler.disable` imports dynamo (2.5 s)."""
+    return torch.compiler.disable(_eager_probe_impl)
 
 
 def compiled_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

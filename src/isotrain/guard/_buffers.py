@@ -9,6 +9,7 @@ step and, on a skip, selects the copies back: NOTE [protected buffers].
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,11 +46,12 @@ class _CaptureHook:
 
     def __init__(self, owner: BufferGuard | None) -> None:
         self.ref = weakref.ref(owner) if owner is not None else None
+        self.capture = _capture() if owner is not None else None
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         owner = self.ref() if self.ref is not None else None
-        if owner is not None and owner.armed:
-            _capture(owner)
+        if owner is not None and owner.armed and self.capture is not None:
+            self.capture(owner)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_CaptureHook, (None,))  # a pickled or copied model gets an inert hook
@@ -59,8 +61,11 @@ def _capture_eagerly(owner: BufferGuard) -> None:
     owner.capture()
 
 
-# Never traced: under a whole-model torch.compile this is a graph break, not a guard on `armed`.
-_capture: Callable[[BufferGuard], None] = torch.compiler.disable(_capture_eagerly)
+@functools.cache
+def _capture() -> Callable[[BufferGuard], None]:
+    """The capture, never traced: under a whole-model torch.compile a graph break, not a guard
+    on `armed`. Wrapped at the first hook, as `torch.compiler.disable` imports dynamo (2.5 s)."""
+    return torch.compiler.disable(_capture_eagerly)
 
 
 class BufferGuard:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from isotrain.train.config import ConfigError, TrainConfig, flag, validate
+from isotrain.train.config import ConfigError, TrainConfig, flag
 from isotrain.train.data.batches import Corpus, build_corpus
 from isotrain.train.data.sources import TextData, TokenData, open_data
 from isotrain.train.data.tokenizer import (
@@ -31,6 +31,7 @@ from isotrain.train.data.tokenizer import (
 )
 from isotrain.train.files import check_regular, make_dir
 from isotrain.train.model.gpt import GPT
+from isotrain.train.rules import validate
 from isotrain.train.rundir.resume import ways_on
 from isotrain.train.rundir.snapshot import SnapshotError, find_snapshots
 from isotrain.train.rundir.writes import writing

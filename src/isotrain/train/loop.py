@@ -24,7 +24,7 @@ from isotrain.checkpointing import apply_activation_checkpointing
 from isotrain.compile import compile_counters, compile_model, no_recompiles, warmup
 from isotrain.contexts import flush_subnormals, rng_isolated
 from isotrain.train import watch
-from isotrain.train.config import ConfigError, TrainConfig, validate
+from isotrain.train.config import ConfigError, TrainConfig
 from isotrain.train.data import batches as data_mod
 from isotrain.train.environment import gib, memory_for, require_memory
 from isotrain.train.inputs import load_inputs
@@ -43,6 +43,7 @@ from isotrain.train.precision import resolve_precision
 from isotrain.train.report.header import loss_line, precision_line, run_facts, settings_lines
 from isotrain.train.report.loggers import MetricsWriter, write_config_file
 from isotrain.train.report.progress import Reporter, where_and_next
+from isotrain.train.rules import validate
 from isotrain.train.rundir.lock import lock_run
 from isotrain.train.rundir.resume import (
     StopFlag,

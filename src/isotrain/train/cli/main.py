@@ -20,9 +20,10 @@ from isotrain.train.cli.args import parse
 from isotrain.train.cli.commands import cmd_export, cmd_plot, cmd_prepare, cmd_report, cmd_sample
 from isotrain.train.cli.flags import options
 from isotrain.train.cli.launch import launch, nproc_per_node, tell_launcher
-from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml, validate
+from isotrain.train.config import PRESETS, ConfigError, TrainConfig, apply_toml
 from isotrain.train.environment import install_hint
 from isotrain.train.fields import leaves
+from isotrain.train.rules import validate
 
 __all__ = ["main", "parse_train_args"]
 

@@ -1,7 +1,7 @@
 """A weights file's model config and tensors, checked before any model is built.
 
 The config a file carries (an export's metadata, a GPT-2 `config.json`) passes the CLI's own
-rules (`config.RULES`, the field types): `d_model -32` or `n_head 0` is one line naming the
+rules (`rules.RULES`, the field types): `d_model -32` or `n_head 0` is one line naming the
 file. Then every tensor the config implies is compared by name and shape with the file's
 header, computed on the meta device: a 141 kB file whose config asks for 825 GB of weights is
 refused before a byte of them is allocated.
@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from isotrain.train.config import RULES, ModelConfig
+from isotrain.train.config import ModelConfig
 from isotrain.train.fields import check_value, coerce, hints
 from isotrain.train.model.gpt import GPT
+from isotrain.train.rules import RULES
 from isotrain.train.weights.header import FLOAT_DTYPES, TensorEntry, WeightsFileError, json_kind
 
 __all__ = ["check_tensors", "isotrain_shapes", "model_config"]
