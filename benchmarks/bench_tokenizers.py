@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    budget = args.budget or (3.0 if args.quick else 300.0)
+    budget = args.budget or (1.0 if args.quick else 300.0)
     vocab = args.vocab or ((300, 512) if args.quick else (1024, 4096))
     variants = [("bytes", 256), ("bpe", vocab[0]), ("bpe", vocab[1])]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {v: [] for v in variants}

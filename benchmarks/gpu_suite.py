@@ -83,7 +83,7 @@ class Plan:
 def plan(args: argparse.Namespace) -> Plan:
     if args.dry_run:
         tiny = Shape(n_layer=2, n_head=2, d_model=32, block_size=32, batch_size=2)
-        return Plan("cpu", tiny, PROBE, 2, 2, 1, 2, 3, "aot_eager", (64,))
+        return Plan("cpu", tiny, PROBE, 2, 2, 1, 2, 3, "eager", (64,))
     return Plan(
         "cuda", SMALL, PROBE, args.rounds, args.steps, 2, 30, 20, args.backend, (4096, 8192)
     )
