@@ -295,8 +295,12 @@ def paired_ratio(num: list[float], den: list[float]) -> dict[str, float]:
 
 
 def welch_ratio(num: list[float], den: list[float]) -> dict[str, float]:
-    """Ratio of geometric means num / den, with Welch's 95% t interval (unpaired seeds)."""
+    """Ratio of geometric means num / den, with Welch's 95% t interval (unpaired seeds); one
+    seed on a side gives no interval: [0, inf]."""
     a, b = [math.log(v) for v in num], [math.log(v) for v in den]
+    if min(len(a), len(b)) < 2:
+        return {"ratio": math.exp(statistics.fmean(a) - statistics.fmean(b)), "lo": 0.0,
+                "hi": math.inf, "df": 0.0}  # fmt: skip
     va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
     se = math.sqrt(va + vb)
     df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1)) if se else 1.0
@@ -429,8 +433,8 @@ def markdown(meta: dict, recipe: Recipe, runs: dict[str, list], summary: dict, q
         f"{recipe.block_size}, batch {recipe.batch_size}, bias, dropout 0, AdamW {recipe.lr:g} "
         f"cosine to {recipe.min_lr:g}, warmup {recipe.warmup_steps}, wd {recipe.weight_decay:g}, "
         f"betas {recipe.beta1}/{recipe.beta2}, clip {recipe.grad_clip:g}, {recipe.steps} steps, "
-        f"fp32, no compile, CPU; {len(nano)} seeds each ({', '.join(str(r['seed']) for r in nano)}"
-        "), whole processes in interleaved rounds."
+        f"fp32, no compile, CPU; {len(nano)} seed{'s' if len(nano) > 1 else ''} each "
+        f"({', '.join(str(r['seed']) for r in nano)}), whole processes in interleaved rounds."
         + (
             f" isotrain's side: `--preset {recipe.preset}` (its own model and optimizer, "
             f"docs/benchmarks.md) for {recipe.iso_steps} steps."
@@ -490,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         default=os.environ.get("NANOGPT"),
         help="a nanoGPT checkout (default: $NANOGPT; --quick: the stand-in)",
     )
-    p.add_argument("--seeds", type=int, default=None, help="rounds, one seed each (3; quick 2)")
+    p.add_argument("--seeds", type=int, default=None, help="rounds, one seed each (3; quick 1)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: recipe's)")
     p.add_argument(
         "--keep", type=Path, default=None, help="keep the runs here (default: a temp dir)"
@@ -520,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--nanogpt {checkout}: no train.py; pass a nanoGPT checkout")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         raise SystemExit(f"--keep {args.keep}: not empty (isotrain would resume its runs)")
-    seeds = [1337 + i for i in range(args.seeds or (2 if args.quick else 3))]
+    seeds = [1337 + i for i in range(args.seeds or (1 if args.quick else 3))]
     out = out_dir(args)
     load_before = os.getloadavg()[0]
     old = torch.get_num_threads()

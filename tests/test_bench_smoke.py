@@ -377,6 +377,9 @@ def test_vs_nanogpt_intervals_pair_rounds_and_cover_the_ratio(vs_nanogpt) -> Non
     w = vs_nanogpt.welch_ratio([1.62, 1.64, 1.63], [1.60, 1.61, 1.59])
     assert w["ratio"] == pytest.approx(1.63 / 1.60, rel=1e-4)
     assert 1.0 < w["lo"] < w["ratio"] < w["hi"]  # resolved: the seeds' spread is small
+    one = vs_nanogpt.welch_ratio([1.62], [1.60])  # --seeds 1 (the quick run): no interval
+    assert (one["ratio"], one["lo"], one["hi"]) == (pytest.approx(1.62 / 1.60), 0.0, math.inf)
+    assert vs_nanogpt.paired_ratio([2.0], [1.0])["hi"] == math.inf
 
 
 def test_vs_nanogpt_blocks_leave_out_the_first(vs_nanogpt) -> None:
