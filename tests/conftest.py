@@ -18,6 +18,7 @@ alone, audit it inside the test: ``with StateAudit(raise_on_leak=True): ...``.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 
@@ -39,6 +40,15 @@ def _share_the_cores() -> None:
 
 
 _share_the_cores()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything the test modules imported (torch, dynamo, transformers: about 400,000
+    objects) goes to the garbage collector's permanent generation (`gc.freeze`), so each
+    collection, and each `gc.get_referrers` the doctor runs to find the LR schedulers bound to
+    an optimizer, scans only what the tests create: 0.1 s per scan becomes microseconds."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True, scope="session")
