@@ -144,6 +144,27 @@ def test_held_out_long_live_seed_is_named(world) -> None:
 
 
 @pytest.mark.slow
+def test_several_backwards_are_judged_on_their_summed_gradient(world) -> None:
+    accumulated, parts = _evidence(world)[8:]
+    head = "at optimizer.step() (step 1) the gradients are {} x the mean over 2 ranks"
+    assert accumulated.startswith(head.format(2))
+    assert "your 4 backwards ran on 2 x the loss your step returned, in all" in accumulated
+    assert (
+        "each micro-batch's backward ran on its cross_entropy output x 0.5, so 4 of them add "
+        "up to 2 x their mean (no_sync: accumulation); 2 = the world size 2."
+    ) in accumulated
+    assert accumulated.endswith("Each step moves 2 x as far as one process would on the same "
+                                "batches")  # fmt: skip
+    assert parts.startswith(head.format(0.5))
+    assert ("each of the 2 parts of one forward's loss (cross_entropy/mse_loss) was backwarded "
+            "x 0.5; 0.5 = 1 / the world size 2 or 1 / the 2 backwards.") in parts  # fmt: skip
+    (fix,) = [f["fix"] for f in world[0]["cases"][9]["bug"] if f["severity"] == "warning"]
+    assert fix.startswith("backward each part of the loss as it is")
+    for case in world[0]["cases"][8:] + world[0]["held_out"][1:]:  # judged: no "not checked"
+        assert [f for f in case["twin"] if f["kind"] == "gradient_scaled_by_world"] == []
+
+
+@pytest.mark.slow
 def test_held_out_automodel_dp_size_loss_is_named(world) -> None:
     case = world[0]["held_out"][1]
     assert _loud(case["twin"]) == []
