@@ -6,6 +6,7 @@ keyword arguments and runs on every rank of a gloo process group.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -162,6 +163,58 @@ def automodel_seq_cls(*, fixed: bool) -> Any:
     return step_seq_cls
 
 
+def accumulate(*, world: bool) -> Any:
+    """Gradient accumulation over 4 micro-batches, DDP's no_sync on all but the last. BUG with
+    `world`: each micro-batch's loss / 4 x world_size (as if DDP summed the gradients); without
+    it the correct loop: loss / 4."""
+
+    def step_accumulate(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Any:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        logged, micro = torch.zeros(()), list(zip(x.chunk(4), y.chunk(4), strict=True))
+        for i, (xs, ys) in enumerate(micro):
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = F.cross_entropy(model(xs), ys)
+                scaled = loss / len(micro)
+                (scaled * dist.get_world_size() if world else scaled).backward()
+            logged += loss.detach() / len(micro)
+        opt.step()
+        return logged
+
+    return step_accumulate
+
+
+def loss_parts(*, divided: bool) -> Any:
+    """Data parallel by hand (DDP allows one backward per forward): one forward, its loss in
+    two parts (cross-entropy and a logit penalty) each with a backward of its own, then each
+    .grad averaged over ranks. BUG with `divided`: each part / world_size too (the divide of a
+    SUM all-reduce kept beside the average); without it each part backwarded whole."""
+
+    def step_parts(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> Any:
+        x, y = batch
+        world = dist.get_world_size()
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        ce, penalty = F.cross_entropy(out, y), F.mse_loss(out, torch.zeros_like(out))
+        (ce / world if divided else ce).backward(retain_graph=True)
+        (penalty / world if divided else penalty).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        return ce.detach() + penalty.detach()
+
+    return step_parts
+
+
+def by_hand(train_step: Any) -> dict[str, Any]:
+    """A model no framework wraps, every rank starting from the same weights."""
+    model = zoo.seeded(zoo.MLP)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return dict(model=model, optimizer=opt, batches=_batches(), step=train_step)
+
+
 def _batches() -> list[Any]:
     return list(zoo_ranks.loader())[:2]
 
@@ -181,6 +234,10 @@ CASES: list[tuple[str, Any, Any]] = [
      lambda: _ddp(summed_grads(divide=True), _batches())),
     ("gradient_scaled_by_world", lambda: _ddp(scaled_loss("mul"), _batches()),
      lambda: _ddp(gathered_times_world, _batches())),
+    ("gradient_scaled_by_world", lambda: _ddp(accumulate(world=True), _batches(), sgd=True),
+     lambda: _ddp(accumulate(world=False), _batches(), sgd=True)),
+    ("gradient_scaled_by_world", lambda: by_hand(loss_parts(divided=True)),
+     lambda: by_hand(loss_parts(divided=False))),
 ]  # fmt: skip
 
 # the held-out reports, rebuilt once after the checks were done (tests/doctor/ranks_reports.md)

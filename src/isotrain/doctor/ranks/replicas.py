@@ -29,8 +29,9 @@ from isotrain._torch_private import ddp_wrapped_params, tensor_version, tree_lea
 from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ranks.backwards import Backwards, Summary, summarize
 from isotrain.doctor.ranks.link import Ranks, checksum
-from isotrain.doctor.ranks.scale import grad_sums, loss_ratio, scale_finding
+from isotrain.doctor.ranks.scale import grad_sums, scale_finding
 from isotrain.doctor.ranks.text import (
     gradient_finding,
     mismatch_finding,
@@ -90,8 +91,7 @@ class _Record:
     """One step on one rank: grads after its last backward before optimizer.step, at the step
     (after the user's own all-reduce, if any)."""
 
-    backwards: int = 0
-    losses: list[torch.Tensor] = field(default_factory=list)  # what each backward ran on
+    backs: Backwards = field(default_factory=Backwards)  # what each backward ran on
     after_backward: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
     at_step_grads: dict[str, torch.Tensor] = field(default_factory=dict)  # clones, for spreads
     synced: list[int] | None = None
@@ -114,11 +114,8 @@ def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[
     def watched(*args: Any, **kwargs: Any) -> Any:
         out = backward(*args, **kwargs)
         if not rec.stepped:  # the gradients optimizer.step() will use
-            rec.backwards += 1
-            ran_on = args[0] if args else kwargs.get("tensors")
-            if isinstance(ran_on, torch.Tensor) and ran_on.numel() == 1:
-                rec.losses.append(ran_on.detach().clone())
             rec.sync_off = not getattr(model, "require_backward_grad_sync", True)
+            rec.backs.backward(args[0] if args else kwargs.get("tensors"), synced=not rec.sync_off)
             rec.after_backward = {n: g.detach().clone() for n, g in zip(names, grads())}
             rec.synced = _sums(list(rec.after_backward.values()))
         return out
@@ -138,7 +135,8 @@ def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[
         handles.append(inner.register_forward_pre_hook(mark("inner_called")))
     torch.autograd.backward = watched
     try:
-        yield rec
+        with rec.backs.watching(model):
+            yield rec
     finally:
         torch.autograd.backward = backward
         for h in handles:
@@ -261,17 +259,17 @@ def _stepped(
     return scale_finding(first, ranks.world, adaptive=adaptive)
 
 
-def _scale_summary(rec: _Record, returned: Any, gathers: int) -> Any:
+def _scale_summary(rec: _Record, returned: Any, gathers: int) -> Summary:
     """What gradient_scaled_by_world compares across ranks, from one recorded step (nothing
     to compare where the step did not step, or its values cannot be read: every rank still
     reaches the exchange)."""
     try:
         if rec.at_step is not None:
-            ratio = loss_ratio(rec.losses, returned)
-            return (ratio, grad_sums(rec.after_backward), grad_sums(rec.at_step_grads), gathers)
+            after, at_step = grad_sums(rec.after_backward), grad_sums(rec.at_step_grads)
+            return summarize(rec.backs, returned, after, at_step, gathers)
     except Exception:  # a value the doctor cannot read is not the user's bug
         pass
-    return (None, [], [], gathers)
+    return Summary([], [], gathers)
 
 
 def _mismatch(ctx: Context) -> list[Finding]:
@@ -350,7 +348,8 @@ RANKS = Check(
             "gradient_scaled_by_world",
             "the gradients optimizer.step() applies are world_size (or 1/world_size) times the "
             "one-process gradient of the global batch (a loss scaled by the world size under "
-            "DDP, an all_reduce SUM of .grad on top of it)",
+            "DDP, an all_reduce SUM of .grad on top of it), over one backward or several "
+            "(micro-batches, the parts of one loss: their number's factor too)",
         ),
         Kind(
             "collective_mismatch",
