@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from tests.doctor import zoo_model as zm
 from tests.doctor.test_trust import examined_untouched, no_alarm
-from tests.doctor.zoo import adamw, ce, features, lm_setup, seeded
+from tests.doctor.zoo import ce, features, seeded
 from tests.doctor.zoo_real import REAL
 from torch import nn
 
@@ -124,88 +124,7 @@ def test_an_inplace_functional_call_on_a_kept_tensor_is_named() -> None:
     no_alarm(examine(**zm._classifier_setup(seeded(lambda: Functional(False))), checks="all"))
 
 
-# -- padding_leak: an inverted mask, no mask, and a causal model that needs none --------------
-class Encoder(nn.Module):
-    """An encoder layer over token ids; `key_mask` says what it is given as its padding mask."""
-
-    def __init__(self, key_mask: str) -> None:
-        super().__init__()
-        self.key_mask = key_mask
-        self.emb = nn.Embedding(zm.VOCAB, 16)
-        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        pad = {"right": attention_mask == 0, "inverted": attention_mask.bool(), "none": None}
-        h = self.enc(self.emb(input_ids), src_key_padding_mask=pad[self.key_mask])
-        return self.head(h[:, 0])  # the first token's state (a [CLS] pooling)
-
-
-def _encoder(key_mask: str, *, left: bool = False) -> dict[str, Any]:
-    model = seeded(lambda: Encoder(key_mask))
-    return dict(model=model, optimizer=adamw(model), batches=zm.padded_batches(left=left),
-                loss_fn=zm.pooled_ce)  # fmt: skip
-
-
-@pytest.mark.parametrize("key_mask", ["inverted", "none"])
-def test_a_mask_inverted_or_unused_is_an_error(key_mask: str) -> None:
-    f = one(examined_untouched(_encoder(key_mask), checks=["padding_leak"]), "padding_leak")
-    assert f.severity == "error"
-    assert f.evidence.startswith("changing only the 10 padded positions (attention_mask 0) ")
-    assert "row(s) 1, 2, 3 " in f.evidence
-
-
-def test_a_mask_used_right_is_clean() -> None:
-    no_alarm(examined_untouched(_encoder("right"), checks="all"))
-    assert examine(**_encoder("right"), checks=["padding_leak"]).findings == []
-
-
-def test_the_first_position_pooled_from_left_padding_is_named() -> None:
-    """The same encoder on left-padded rows: position 0 is padding there, so its state (the
-    [CLS] pooling) reads the padding, mask or not."""
-    f = one(examine(**_encoder("right", left=True), checks=["padding_leak"]), "padding_leak")
-    assert f.severity == "error" and "row(s) 1, 2, 3 " in f.evidence
-
-
-class Unmasked(nn.Module):
-    """A bidirectional encoder (or a causal one) called with token ids only."""
-
-    def __init__(self, causal: bool) -> None:
-        super().__init__()
-        self.causal = causal
-        self.emb = nn.Embedding(zm.VOCAB, 16)
-        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-        self.head = nn.Linear(16, zm.VOCAB)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1]) if self.causal else None
-        return self.head(self.enc(self.emb(ids), src_mask=mask, is_causal=self.causal))
-
-
-def _unmasked(causal: bool) -> dict[str, Any]:
-    model = seeded(lambda: Unmasked(causal))
-    batches = [(b["input_ids"], b["input_ids"]) for b in zm.padded_batches()]
-
-    def loss_fn(m: nn.Module, batch: Any) -> torch.Tensor:
-        ids, _ = batch
-        return F.cross_entropy(m(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-
-    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=loss_fn)
-
-
-def test_padding_without_a_mask_is_a_warning_and_a_causal_model_needs_none() -> None:
-    f = one(examine(**_unmasked(False), checks=["padding_leak"]), "padding_leak")
-    assert f.severity == "warning" and "(0, filling the ends of 3 rows)" in f.evidence
-    assert "the model is given no mask to ignore it" in f.evidence
-    assert examine(**_unmasked(True), checks=["padding_leak"]).findings == []
-
-
-def test_a_batch_without_padding_has_nothing_to_leak() -> None:
-    assert examine(**lm_setup(), checks=["padding_leak"]).findings == []
-    unpadded = [{**b, "attention_mask": torch.ones_like(b["attention_mask"])}
-                for b in zm.padded_batches()]  # fmt: skip
-    setup = {**_encoder("inverted"), "batches": unpadded}
-    assert examine(**setup, checks=["padding_leak"]).findings == []
+# -- padding_leak: its forms are in test_model_padding.py --------------------------------
 
 
 # -- held out until the checks were done, rebuilt once (model_reports.md) ---------------------
@@ -216,10 +135,20 @@ def test_held_out_relations_in_dicts_is_named() -> None:
     assert f.evidence.startswith("the forward computes with 12 Parameter(s) (144 values)")
 
 
-def test_held_out_sasrec_is_missed_as_recorded() -> None:
-    """The model's first argument is the (B,) user ids, so the input the doctor perturbs has
-    no time axis and the left padding of `log_seqs` is never changed: nothing is named."""
-    assert examine(**zm.setup_sasrec_no_key_mask(False), checks=["padding_leak"]).findings == []
+def test_held_out_sasrec_is_named_since_every_padded_argument_is_judged() -> None:
+    """Missed when held out (model_reports.md): the model's first argument is the (B,) user
+    ids, and only the first was changed. Every padded (B, T) argument is judged now, and the
+    model's own states at log_seqs' left padding, moved with the ids kept, reach the real
+    items: named, by the argument's name. Its twin, which masks the padded keys, stays clean."""
+    f = one(examined_untouched(zm.setup_sasrec_no_key_mask(False), checks=["padding_leak"]),
+            "padding_leak")  # fmt: skip
+    assert f.severity == "warning"
+    assert f.evidence.startswith(
+        "changing only the 10 padded positions of log_seqs (0, filling the starts of 3 rows) "
+        "to a real token changed the outputs at real positions of row(s) 1, 2, 3 "
+    )
+    assert ", and so did noise on 3 hidden states the model computes there" in f.evidence
+    assert examine(**zm.setup_sasrec_no_key_mask(True), checks=["padding_leak"]).findings == []
 
 
 @pytest.mark.parametrize(("kind", "make", "severity"), zm.HELD_OUT, ids=_id)

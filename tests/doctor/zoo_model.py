@@ -227,5 +227,5 @@ def setup_sasrec_no_key_mask(fixed: bool) -> dict[str, Any]:
 
 HELD_OUT: list[tuple[str, Any, str | None]] = [
     ("unregistered_parameter", setup_relations_in_dicts, "error"),
-    ("padding_leak", setup_sasrec_no_key_mask, None),  # missed: model_reports.md says why
+    ("padding_leak", setup_sasrec_no_key_mask, "warning"),  # missed when held out: see .md
 ]

@@ -1,5 +1,6 @@
 """The network itself: what it computes across samples, across time and across padding
-(measured by perturbing one input), and whether it owns and runs what it was built from.
+(measured by perturbing one input at a time), and whether it owns and runs what it was built
+from.
 
 Kinds: `batch_mixing`, `causal_leak`, `padding_leak`, `unregistered_parameter`,
 `inplace_overwrite`.
