@@ -229,7 +229,7 @@ def test_each_bug_is_found_and_its_twin_is_clean(world: list[dict[str, Any]]) ->
 @pytest.mark.slow
 def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> None:
     cases = [c["bug"][0] for c in world[0]["cases"]]
-    replaced, silent, moved, some_calls, clipped, data, buffers, bincount, alone = cases
+    replaced, silent, moved, some_calls, clipped, data, buffers, bincount, alone, parts = cases
     assert "they were replaced after DDP(model) was built" in silent["evidence"]
     assert replaced["where"] == "fc1.weight, fc1.bias, fc2.weight (+1 more)"
     assert "(ranks 0 and 1 differ; max |difference| " in replaced["evidence"]
@@ -251,6 +251,8 @@ def test_each_finding_names_the_parameters_the_ranks_and_the_cause(world) -> Non
         in (bincount["evidence"])
     )
     assert alone["evidence"].startswith("the ranks are at different points: rank 0 at all_reduce")
+    assert "several backwards ran through one forward (retain_graph=True)" in parts["evidence"]
+    assert "converted in place" not in parts["evidence"]
 
 
 @pytest.mark.slow

@@ -158,6 +158,27 @@ def projected(*, broadcast_buffers: bool) -> dict[str, Any]:
     return dict(model=ddp, optimizer=opt, batches=batches, step=step)
 
 
+def parts(*, summed: bool) -> Any:
+    """BUG: one forward through DDP and its loss in two parts, each with a backward of its own
+    (retain_graph=True): DDP averages the gradients of one backward per forward, so the second
+    part's stay each rank's own. The twin (`summed`) runs one backward on the parts' sum."""
+
+    def step_parts(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        ce, penalty = F.cross_entropy(out, y), F.mse_loss(out, torch.zeros_like(out))
+        if summed:
+            (ce + penalty).backward()
+        else:
+            ce.backward(retain_graph=True)
+            penalty.backward()
+        opt.step()
+        return (ce + penalty).detach()
+
+    return step_parts
+
+
 # kind, the bug as users write it, its correct twin
 CASES: list[tuple[str, Any, Any]] = [
     ("gradient_not_synchronized", lambda: setup(wrap=new_head), setup),
@@ -174,4 +195,6 @@ CASES: list[tuple[str, Any, Any]] = [
      lambda: setup(train_step=counting(4))),
     ("collective_mismatch", lambda: setup(train_step=logging_loss(every_rank=False)),
      lambda: setup(train_step=logging_loss(every_rank=True))),
+    ("gradient_not_synchronized", lambda: setup(train_step=parts(summed=False)),
+     lambda: setup(train_step=parts(summed=True))),
 ]  # fmt: skip

@@ -10,6 +10,7 @@ NOTE [how GuardCallback hooks in] and NOTE [the guard owns the scaler] say where
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -190,7 +191,7 @@ class GuardCallback(pl.Callback):
                     yield
 
             setattr(plugin, name, step_context)
-            self._undo.append(lambda name=name: vars(plugin).pop(name, None))
+            self._undo.append(functools.partial(vars(plugin).pop, name, None))
 
     def _take_clipping(self, trainer: pl.Trainer) -> float | None:
         clip, algorithm = trainer.gradient_clip_val, trainer.gradient_clip_algorithm

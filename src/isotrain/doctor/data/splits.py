@@ -71,7 +71,7 @@ def _raw_rows(dataset: Any) -> Any:
     torchvision-style `.data` with a row per sample)."""
     if isinstance(dataset, TensorDataset):
         return dataset.tensors[0]
-    data = getattr(dataset, "data", None)
+    data: Any = getattr(dataset, "data", None)
     arrays = isinstance(data, torch.Tensor) or hasattr(data, "tobytes")  # a tensor, an ndarray
     return data if arrays and hasattr(data, "shape") and len(data) == len(dataset) else None
 

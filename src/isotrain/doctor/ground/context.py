@@ -69,7 +69,7 @@ class Context:
     samples_interact: bool = False  # the user's declaration: dim 0 is not independent samples
     loss_falls: bool | None = None  # the user's declaration: None = judge by the setup
     asked: frozenset[str] = frozenset()  # kinds the user named in checks=[...]
-    cache: dict[str, Any] = field(default_factory=dict)
+    cache: dict[Any, Any] = field(default_factory=dict)
     source: Any = None  # the `batches` object as given (a DataLoader, for its workers)
     ranks: Any = None  # the doctor's link between ranks (a ranks.link.Ranks) under a process group
     forward: Callable[[nn.Module, Any], Any] | None = None  # the user's: how to call the model

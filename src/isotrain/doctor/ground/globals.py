@@ -114,7 +114,7 @@ def _restore(value: Any, saved: Any) -> None:
         items, inner = saved
         if isinstance(value, list):
             value[:] = items
-        elif items is not None:  # a dict or a set
+        elif items is not None and not isinstance(value, tuple):  # a dict or a set
             value.clear()
             value.update(items)
         for item, item_saved in inner:

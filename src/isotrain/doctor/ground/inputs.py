@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-__all__ = ["EpochStep", "Loader", "ModelCall", "Stop", "main_path", "replaced"]
+__all__ = ["EpochStep", "Loader", "ModelCall", "Stop", "main_path", "rebuilt", "replaced"]
 
 Path = tuple[Any, ...]
 _TARGETS = ("labels", "label", "targets", "target", "y")
@@ -95,21 +95,28 @@ def _get(obj: Any, path: Path) -> Any:
     return obj
 
 
+def rebuilt(like: Any, items: Any) -> Any:
+    """`items` (a dict for a mapping, a list for a sequence) in the container type of `like`:
+    its own class where that class takes them (a named tuple, a dict subclass), else a plain
+    dict or tuple."""
+    if isinstance(like, Mapping):
+        try:
+            return cast(Any, type(like))(items)
+        except TypeError:
+            return items
+    if isinstance(like, list):
+        return items
+    return type(like)(*items) if hasattr(like, "_fields") else tuple(items)
+
+
 def replaced(obj: Any, path: Path, new: Any) -> Any:
     """`obj` rebuilt with the value at `path` replaced (containers copied, never changed)."""
     if not path:
         return new
     key, rest = path[0], path[1:]
     if isinstance(obj, Mapping):
-        items = {k: replaced(v, rest, new) if k == key else v for k, v in obj.items()}
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    items = [replaced(v, rest, new) if i == key else v for i, v in enumerate(obj)]
-    if isinstance(obj, list):
-        return items
-    return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        return rebuilt(obj, {k: replaced(v, rest, new) if k == key else v for k, v in obj.items()})
+    return rebuilt(obj, [replaced(v, rest, new) if i == key else v for i, v in enumerate(obj)])
 
 
 class Loader(list):  # type: ignore[type-arg]

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from isotrain._shared import buffers_restored, restore_rng
 from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
-from isotrain.doctor.ground.inputs import ModelCall
+from isotrain.doctor.ground.inputs import ModelCall, rebuilt
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.watch import user_site
 
@@ -53,16 +53,9 @@ def _cloned(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.clone()
     if isinstance(obj, Mapping):
-        items = {k: _cloned(v) for k, v in obj.items()}
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
+        return rebuilt(obj, {k: _cloned(v) for k, v in obj.items()})
     if isinstance(obj, (tuple, list)):
-        items = [_cloned(v) for v in obj]
-        if isinstance(obj, list):
-            return items
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+        return rebuilt(obj, [_cloned(v) for v in obj])
     return obj
 
 

@@ -92,7 +92,7 @@ def _parts(
     bound: inspect.BoundArguments, arg: str, layout: str, world: int
 ) -> tuple[tuple[int, ...], ...]:
     """The shape of each peer's part of argument `arg`, laid out as `layout`."""
-    value = bound.arguments.get(arg)
+    value: Any = bound.arguments.get(arg)
     if layout == "list":
         return tuple(tuple(t.shape) for t in value)
     if layout == "one":

@@ -144,7 +144,8 @@ def _recording(model: nn.Module, opts: list[Any], names: list[str]) -> Iterator[
 
 
 def _cause(model: nn.Module, names: list[str], recs: list[_Record]) -> str:
-    """Why a DDP model's gradients were not averaged: replaced, bypassed, no_sync, or moved."""
+    """Why a DDP model's gradients were not averaged: replaced, bypassed, no_sync, retained (a
+    backward through a graph an earlier one used) or moved."""
     if not _is_ddp(model):
         return "plain"
     wrapped = ddp_wrapped_params(model)
@@ -156,6 +157,8 @@ def _cause(model: nn.Module, names: list[str], recs: list[_Record]) -> str:
         return "bypassed"
     if any(r.sync_off for r in recs):
         return "no_sync"
+    if any(not all(r.backs.own) for r in recs):
+        return "retained"
     return "moved"
 
 

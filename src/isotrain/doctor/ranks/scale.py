@@ -115,12 +115,13 @@ def scale_finding(summaries: list[Summary], world: int, *, adaptive: bool) -> li
     total = c * path
     if not (_near(total, world) or _near(total, 1 / world)):
         return []
-    why, fix = [], []
+    causes: list[str] = []
+    fix: list[str] = []
     if not _near(c, 1):
-        why.append(f"backward ran on your returned loss x {c:.4g}")
+        causes.append(f"backward ran on your returned loss x {c:.4g}")
         fix.append("call backward on the loss itself (DistributedDataParallel already averages "
                    "the gradients over ranks: no / world_size or * world_size)")  # fmt: skip
-    return [_finding(total, world, "each rank's gradient of the loss it returned", why, fix,
+    return [_finding(total, world, "each rank's gradient of the loss it returned", causes, fix,
                      path, adaptive=adaptive)]  # fmt: skip
 
 

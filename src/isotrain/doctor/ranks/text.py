@@ -34,6 +34,13 @@ _CAUSE = {
         "enter no_sync() only for the micro-batches before the last one: the last backward "
         "must run with sync on",
     ),
+    "retained": (
+        "several backwards ran through one forward (retain_graph=True), and "
+        "DistributedDataParallel averages the gradients of one backward per forward: the later "
+        "backwards' gradients stay each rank's own",
+        "sum the loss's parts and call backward once per forward (or run a forward for each "
+        "backward)",
+    ),
     "moved": (
         "DDP's hooks no longer see these gradients: the model was converted in place after "
         "wrapping (.to(dtype), .half()/.double() and back, .to(device)), which gives each "

@@ -12,7 +12,7 @@ fraction changes call to call, and EMAs that do not move in these calls are not 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,9 @@ def _bare(name: str) -> str:
     return name.removeprefix("module.").removeprefix("_orig_mod.")
 
 
-def _pairs(holder: Any, params: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _pairs(
+    holder: Any, params: Mapping[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(shadow, parameter) pairs: by name for a module or dict, by order for a list; all of
     the model's parameters must have a shadow of their shape, else none."""
     if isinstance(holder, nn.Module):

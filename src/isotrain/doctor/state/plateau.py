@@ -48,13 +48,13 @@ def plateau_run(ctx: Context) -> PlateauRun | None:
     seen: dict[int, list[float]] = {id(s): [] for s in scheds}
     model, opt = ctx.fresh()
     for s in scheds:
-        s.step = _recording(s, seen[id(s)])  # an instance attribute, deleted below
+        vars(s)["step"] = _recording(s, seen[id(s)])  # an instance attribute, deleted below
     try:
         for batch in ctx.batches:
             ctx.run_step(model, opt, batch)
     finally:
         for s in scheds:
-            del s.step
+            del vars(s)["step"]
         ctx.reset()
     found = next((s for s in scheds if seen[id(s)]), None)
     if found is None:

@@ -45,7 +45,7 @@ class Muon(torch.optim.Muon):
     weights) and same-shape matrices orthogonalised together, in one batched product."""
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Nesterov momentum, orthogonalise, decay and update, as torch's Muon does."""
         loss = None
         if closure is not None:
@@ -84,7 +84,9 @@ def split_params(
 ) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
     """(Muon's, AdamW's decayed, AdamW's not decayed): the blocks' 2-D matrices go to Muon;
     embeddings and the head (decayed) and every norm gain and bias (not decayed) to AdamW."""
-    muon, decay, no_decay = [], [], []
+    muon: list[nn.Parameter] = []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -148,7 +150,7 @@ class MuonAdamW(torch.optim.Optimizer):
             opt.state = self.state
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Muon's step on the hidden matrices, then AdamW's on the rest."""
         loss = None
         if closure is not None:
