@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import csv
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -173,12 +171,8 @@ def test_validation_changes_the_plain_run_and_leaves_the_guarded_one_bitwise_the
     assert not _same(snaps[False, 2], snaps[False, None])  # plain: validation changes training
 
 
-def test_a_missing_lightning_is_a_one_line_error_naming_the_extra(monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "lightning", None)  # what an import finds uninstalled
-    monkeypatch.delitem(sys.modules, "isotrain.integrations.lightning", raising=False)
-    with pytest.raises(ImportError) as caught:
-        importlib.import_module("isotrain.integrations.lightning")
-    assert str(caught.value) == (
+def test_a_missing_lightning_is_a_one_line_error_naming_the_extra(missing_extra) -> None:
+    assert missing_extra("lightning", "lightning") == (
         "isotrain.integrations.lightning needs lightning, which is not installed: "
         "pip install 'isotrain[lightning]' "
         "(in a clone of isotrain: .venv/bin/pip install -e '.[lightning]')"
