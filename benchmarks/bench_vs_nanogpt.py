@@ -524,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--nanogpt {checkout}: no train.py; pass a nanoGPT checkout")
     if args.keep and args.keep.exists() and any(args.keep.iterdir()):
         raise SystemExit(f"--keep {args.keep}: not empty (isotrain would resume its runs)")
+    if args.seeds is not None and args.seeds < 1:
+        raise SystemExit(f"--seeds {args.seeds}: run at least 1 seed per side")
     seeds = [1337 + i for i in range(args.seeds or (1 if args.quick else 3))]
     out = out_dir(args)
     load_before = os.getloadavg()[0]

@@ -437,3 +437,5 @@ def test_vs_nanogpt_seeds_a_copy_and_refuses_another_script(
     monkeypatch.delenv("NANOGPT", raising=False)
     with pytest.raises(SystemExit, match="--nanogpt PATH"):
         vs_nanogpt.main(["--out", str(tmp_path / "out")])  # a full run needs a real checkout
+    with pytest.raises(SystemExit, match="--seeds 0: run at least 1 seed per side"):
+        vs_nanogpt.main(["--quick", "--seeds", "0", "--out", str(tmp_path / "out")])
