@@ -4,6 +4,7 @@ are listed in update_reports.md."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -214,6 +215,171 @@ def setup_actor_critic_separate_optimizers(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opts, batches=rollouts(), step=step, loss_falls=False)
 
 
+# -- the update against the optimizer's own rule -----------------------------------------
+
+
+class CURL(nn.Module):
+    """An encoder and the contrastive bilinear matrix W that compares its codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.W = nn.Parameter(torch.eye(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def setup_curl_encoder_two_optimizers(fixed: bool) -> dict[str, Any]:
+    """https://github.com/MishaLaskin/curl/issues/28: the contrastive optimizer is built over
+    the CURL module, encoder included, which the encoder's own optimizer holds too; after one
+    backward both step, so the encoder gets the same gradient's update twice."""
+    model = seeded(CURL)
+    encoder_opt = torch.optim.Adam(model.encoder.parameters(), lr=1e-3)
+    cpc_params = [model.W] if fixed else [model.W, *model.encoder.parameters()]  # BUG (unfixed)
+    cpc_opt = torch.optim.Adam(cpc_params, lr=1e-3)
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        encoder_opt, cpc_opt = opts
+        x, _ = batch
+        z_a, z_pos = model.encoder(x), model.encoder(x.flip(0)).detach()
+        logits = z_a @ model.W @ z_pos.T  # (B, B): each anchor against every key
+        loss = F.cross_entropy(logits, torch.arange(len(x)))
+        encoder_opt.zero_grad()
+        cpc_opt.zero_grad()
+        loss.backward()
+        encoder_opt.step()
+        cpc_opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=[encoder_opt, cpc_opt], batches=features(), step=step)
+
+
+class SharedActorCritic(nn.Module):
+    """tianshou's PPO test net: a preprocess network shared by the actor and the critic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preprocess = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.actor = nn.Sequential(self.preprocess, nn.Linear(16, 4))
+        self.critic = nn.Sequential(self.preprocess, nn.Linear(16, 1))
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.actor(s), self.critic(s).squeeze(-1)
+
+
+def setup_tianshou_listed_twice(fixed: bool) -> dict[str, Any]:
+    """https://github.com/thu-ml/tianshou/issues/395: the optimizer is built from
+    list(actor.parameters()) + list(critic.parameters()); the shared preprocess net sits twice
+    in the one group, so each step() updates it twice (the fix: a set of the parameters)."""
+    model = seeded(SharedActorCritic)
+    params = [*model.actor.parameters(), *model.critic.parameters()]  # BUG (unfixed): twice
+    if fixed:
+        params = list(dict.fromkeys(params))  # the report's set(), in a stable order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of the duplicates: the report's warning
+        opt = torch.optim.Adam(params, lr=1e-3)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        s, a, ret = batch
+        logits, value = model(s)
+        adv = (ret - value).detach()
+        log_prob = torch.distributions.Categorical(logits=logits).log_prob(a)
+        loss = -(log_prob * adv).mean() + 0.5 * F.mse_loss(value, ret)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=rollouts(), step=step)
+
+
+def setup_manual_update_on_top(fixed: bool) -> dict[str, Any]:
+    """The planted form: a hand-written SGD update, kept from a tutorial loop, on top of
+    optimizer.step(): every parameter moves by the rule plus -lr * grad."""
+    lr = 0.05
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        opt.step()
+        if not fixed:
+            for p in model.parameters():
+                p.data.add_(-lr * p.grad)  # BUG: the optimizer already applied this gradient
+        return loss.detach()
+
+    model = seeded(MLP)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return mlp_setup(model=model, optimizer=opt, step=step)
+
+
+def norm_mlp() -> nn.Module:
+    """An MLP with a LayerNorm: its weights start at 1.0, where bfloat16 numbers are 2^-7 apart."""
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _bf16_setup(fixed: bool, opt: Any, lr: float) -> dict[str, Any]:
+    """A norm_mlp stepped by `opt` at `lr`: in bfloat16 throughout (the bug), or in float32
+    with the forward under bfloat16 autocast (the twin: float32 master weights)."""
+    model = seeded(norm_mlp)
+    if not fixed:
+        model = model.to(torch.bfloat16)  # BUG (unfixed): the weights themselves in bfloat16
+    optimizer = opt(model.parameters(), lr=lr)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fixed):
+            logits = model(x.to(next(model.parameters()).dtype))
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=optimizer, batches=features(), step=step)
+
+
+def setup_bf16_adam_no_master(fixed: bool) -> dict[str, Any]:
+    """https://github.com/workofart/ml-by-hand/pull/85: bfloat16 weights stepped by Adam with no
+    float32 master copy: at lr 6e-4 a weight of 1.0 steps to 0.9994, which rounds back to 1.0."""
+    return _bf16_setup(fixed, torch.optim.AdamW, 6e-4)
+
+
+def setup_aim_model_forced_bf16(fixed: bool) -> dict[str, Any]:
+    """https://github.com/hp-l33/AiM/issues/10: the model forced to bfloat16 (weights
+    included) for training at lr 4e-4: the loss falls much more slowly than with bf16=True,
+    which keeps float32 weights and casts in the forward."""
+    return _bf16_setup(fixed, torch.optim.AdamW, 4e-4)
+
+
+class StochasticAdamW(torch.optim.AdamW):
+    """AdamW that steps bfloat16 weights in float32 and rounds each new weight stochastically
+    (torchao's bf16_stochastic_round): the update survives in expectation."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        low = [p for g in self.param_groups for p in g["params"] if p.dtype == torch.bfloat16]
+        kept = [(p.data, p.grad) for p in low]
+        for p in low:  # the step in float32, on float32 copies of the weight and gradient
+            p.data, p.grad = p.data.float(), None if p.grad is None else p.grad.float()
+        try:
+            super().step(closure)
+        finally:
+            for p, (data, grad) in zip(low, kept, strict=True):
+                bits = p.data.view(torch.int32)
+                bits = bits + torch.randint_like(bits, 0, 1 << 16)  # rounds up with odds = rest
+                data.copy_((bits & -65536).view(torch.float32))  # truncate to bfloat16
+                p.data, p.grad = data, grad
+        return None
+
+
+def setup_full_bf16_stochastic_rounding(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/ao/pull/1124: full bfloat16 training loses every update
+    below ~1e-3 of its weight to round-to-nearest; the twin rounds stochastically."""
+    return _bf16_setup(False, StochasticAdamW if fixed else torch.optim.AdamW, 2e-4)
+
+
 # -- held out (update_reports.md): rebuilt once the checks were done -----------------------
 
 
@@ -331,6 +497,12 @@ BUGS: list[tuple[str, Any, str]] = [
     ("advantage_not_detached", setup_actor_critic_summed, "error"),
     ("advantage_not_detached", setup_actor_critic_shared_heads, "error"),
     ("advantage_not_detached", setup_actor_critic_separate_optimizers, "error"),
+    ("update_applied_twice", setup_curl_encoder_two_optimizers, "error"),
+    ("update_applied_twice", setup_tianshou_listed_twice, "error"),
+    ("update_applied_twice", setup_manual_update_on_top, "error"),
+    ("update_lost_to_rounding", setup_bf16_adam_no_master, "warning"),
+    ("update_lost_to_rounding", setup_aim_model_forced_bf16, "error"),
+    ("update_lost_to_rounding", setup_full_bf16_stochastic_rounding, "error"),
 ]
 
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES
