@@ -477,10 +477,135 @@ def setup_a3c_shared_network(fixed: bool) -> dict[str, Any]:
     return ac_setup(step, shared=True)
 
 
+class GAN(nn.Module):
+    """A generator over 4 noise features and a discriminator over 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, real: torch.Tensor) -> torch.Tensor:
+        return self.D(real)
+
+
+def setup_applio_scaler_and_step(fixed: bool) -> dict[str, Any]:
+    """https://github.com/IAHispano/Applio/pull/860 ("optimizer step bugfix"): the GAN loop
+    steps each optimizer through the GradScaler and then calls optim_g.step() and
+    optim_d.step() again."""
+    model = seeded(GAN)
+    optim_g = torch.optim.AdamW(model.G.parameters(), lr=2e-4, betas=(0.8, 0.99))
+    optim_d = torch.optim.AdamW(model.D.parameters(), lr=2e-4, betas=(0.8, 0.99))
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        optim_g, optim_d = opts
+        real = batch[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fake = model.G(torch.randn(len(real), 4))
+            loss_disc = (
+                F.softplus(-model.D(real)).mean() + F.softplus(model.D(fake.detach())).mean()
+            )
+        optim_d.zero_grad()
+        scaler.scale(loss_disc).backward()
+        scaler.unscale_(optim_d)
+        scaler.step(optim_d)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_gen = F.softplus(-model.D(fake)).mean()
+        optim_g.zero_grad()
+        scaler.scale(loss_gen).backward()
+        scaler.unscale_(optim_g)
+        scaler.step(optim_g)
+        scaler.update()
+        if not fixed:
+            optim_g.step()  # BUG: the scaler already stepped both
+            optim_d.step()
+        return loss_gen.detach()
+
+    return dict(model=model, optimizer=[optim_g, optim_d], batches=features(), step=step)
+
+
+def setup_eco_misplaced_step(fixed: bool) -> dict[str, Any]:
+    """https://github.com/mzolfaghari/ECO-pytorch/pull/1 ("Misplaced optimizer step"): with
+    iter_size > 1 the loop steps inside the `if` that ends the accumulation and once more
+    outside it, on every iteration."""
+    iter_size = 2
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        loss = ce(model, batch) / iter_size
+        loss.backward()
+        calls["n"] += 1
+        if calls["n"] % iter_size == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        if not fixed:
+            opt.step()  # BUG: misplaced, outside the accumulation's `if`
+        return loss.detach()
+
+    model = seeded(MLP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return mlp_setup(model=model, optimizer=opt, step=step)
+
+
+class LoRAHalf(nn.Module):
+    """A frozen base Linear and LoRA factors (B zero at init), all in `dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 4).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(8, 4, bias=False), nn.Linear(4, 4, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.base.weight.dtype)
+        return (self.base(x) + self.lora_B(self.lora_A(x))).float()
+
+
+def setup_onetrainer_float16_weights(fixed: bool) -> dict[str, Any]:
+    """https://github.com/Nerogar/OneTrainer/issues/146 ("If set weight-dtype to FLOAT_16, it
+    trains nothing"): LoRA weights in float16, stepped by AdamW."""
+    model = seeded(lambda: LoRAHalf(torch.float32 if fixed else torch.float16))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=features(), step=step)
+
+
+def setup_bf16_adamw_language_model(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/pytorch/issues/120376 ("Stochastic rounding in bfloat16"): a
+    small language model trained in bfloat16 with AdamW; the twin rounds stochastically."""
+    from tests.doctor.zoo import TinyLM, tokens
+
+    model = seeded(TinyLM).to(torch.bfloat16)
+    opt = (StochasticAdamW if fixed else torch.optim.AdamW)(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=tokens(), step=step)
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
     ("advantage_not_detached", setup_a3c_shared_network, "error"),
+    ("update_applied_twice", setup_applio_scaler_and_step, "error"),
+    ("stale_gradient", setup_eco_misplaced_step, "error"),  # not applied twice: stale
 ]
 
 
