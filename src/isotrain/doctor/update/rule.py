@@ -16,7 +16,7 @@ import torch
 from isotrain.doctor.ground.calls import call_site
 from isotrain.doctor.ground.context import CannotRun, Context, params_of
 
-__all__ = ["LOW", "Rule", "Stepped", "rule"]
+__all__ = ["LOW", "Rule", "Stepped", "judged", "norm", "rule"]
 
 STEP_CALLS = 8  # calls followed to the first that runs optimizer.step()
 BUDGET = 1 << 22  # parameter elements judged (each kept a few times: tens of MB at most)
@@ -222,3 +222,20 @@ def _judged_call(ctx: Context) -> Rule:
     final = {i: p.detach().clone() for i, p in w.held.items()}
     sparse = [names.get(i, "?") for i in w.sparse]
     return Rule(call, w.steps, start, final, names, w.closure, sparse)
+
+
+def judged(ctx: Context) -> Rule:
+    """The judged call, or CannotRun where it has nothing to compare: a closure, no gradient."""
+    r = rule(ctx)
+    if r.closure:
+        raise CannotRun("optimizer.step(closure) evaluates the loss itself (LBFGS): its update "
+                        "is its own line search, not one rule on one gradient")  # fmt: skip
+    if not any(s.pre for s in r.steps):
+        why = "every gradient step() received was sparse" if r.sparse else "no gradient"
+        raise CannotRun(f"optimizer.step() ran with {why}: nothing to compare")
+    return r
+
+
+def norm(t: torch.Tensor) -> float:
+    """|t|, in float64."""
+    return float(t.double().norm())  # sync: the doctor's measurement
