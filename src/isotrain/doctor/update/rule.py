@@ -87,6 +87,7 @@ class _Watch:
         self.depth: dict[int, int] = {}  # a subclass's step() calling super().step() hooks twice
         self.closure = False
         self.sparse: set[int] = set()
+        self.uncopied: str | None = None
 
     def pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         depth = self.depth.get(id(opt), 0)
@@ -106,18 +107,32 @@ class _Watch:
                     self.sparse.add(id(p))
                 else:
                     judged[id(p)] = p
-        with torch.no_grad():
-            self.open[id(opt)] = Stepped(
-                opt, call_site()[0],
-                [_copied({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
-                [[id(p) for p in g["params"] if id(p) in judged] for g in opt.param_groups],
-                {i: p.detach().clone() for i, p in judged.items()},
-                {i: p.grad.detach().to(torch.float32, copy=True)
-                 for i, p in judged.items()},
-                {i: (p.grad, p.grad._version) for i, p in judged.items()},
-                {i: {k: _copied(v) for k, v in opt.state.get(p, {}).items()}
-                 for i, p in judged.items()},
-            )  # fmt: skip
+        try:
+            self.open[id(opt)] = self.record(opt, judged)
+        except Exception as e:  # the doctor's copy failed: not the user's step's failure
+            self.open[id(opt)] = None
+            self.uncopied = (
+                f"{type(opt).__name__}'s groups or state could not be copied "
+                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:80]})"
+            )
+
+    @torch.no_grad()
+    def record(self, opt: torch.optim.Optimizer, judged: dict[int, Any]) -> Stepped:
+        """What step() is about to apply: values, gradients, state and settings, copied."""
+        groups = opt.param_groups
+        return Stepped(
+            opt,
+            call_site()[0],
+            [_copied({k: v for k, v in g.items() if k != "params"}) for g in groups],
+            [[id(p) for p in g["params"] if id(p) in judged] for g in groups],
+            {i: p.detach().clone() for i, p in judged.items()},
+            {i: p.grad.detach().to(torch.float32, copy=True) for i, p in judged.items()},
+            {i: (p.grad, p.grad._version) for i, p in judged.items()},
+            {
+                i: {k: _copied(v) for k, v in opt.state.get(p, {}).items()}
+                for i, p in judged.items()
+            },
+        )
 
     def post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.depth[id(opt)] -= 1
@@ -215,6 +230,8 @@ def _judged_call(ctx: Context) -> Rule:
     finally:
         for h in handles:
             h.remove()
+    if not w.steps and w.uncopied is not None:
+        raise CannotRun(w.uncopied)
     if not w.steps and not w.closure:
         raise CannotRun(f"none of {STEP_CALLS} calls of your step from examine's state ran "
                         "optimizer.step() (gradient accumulation over more calls?)")  # fmt: skip
