@@ -41,7 +41,7 @@ def _by_two_steps(r: Rule) -> _Twice | None:
     """The same gradient (one .grad object, unchanged) applied by two step() calls that both
     moved the parameter: two optimizers hold it, or step() ran twice."""
     found: dict[int, list[Stepped]] = {}
-    for i in {i for s in r.steps for i in s.pre}:
+    for i in dict.fromkeys(i for s in r.steps for i in s.pre):  # in the steps' order
         seen: dict[tuple[int, int], list[Stepped]] = {}
         for s in r.steps:
             if i in s.pre and norm(_applied(s, i)) > 0:
@@ -94,7 +94,7 @@ def _by_hand(ctx: Context, r: Rule) -> _Twice | None:
     c * (the gradients step() received) + d * (the parameter), c < 0, the gradient term most of
     it: a hand-written descent step on top of the optimizer's."""
     hand, cs, ratios = [], [], []
-    for i in {i for s in r.steps for i in s.pre}:
+    for i in dict.fromkeys(i for s in r.steps for i in s.pre):  # in the steps' order
         steps = [s for s in r.steps if i in s.pre]
         own = sum((_applied(s, i) for s in steps), torch.zeros(()))
         grads = sum((s.grad[i].double() for s in steps), torch.zeros(()))
@@ -107,7 +107,7 @@ def _by_hand(ctx: Context, r: Rule) -> _Twice | None:
         if c < 0 and res < _FIT and norm(c * grads) > 0.5 * norm(outside):
             hand.append(i)
             cs.append(c)
-            ratios.append(norm(outside) / norm(own))
+            ratios.append(norm(outside) / norm(own) if norm(own) else float("inf"))
     if not hand:
         return None
     lines = writers(ctx, r.call + 1, [r_p for i in hand if (r_p := _param(ctx, i)) is not None])
