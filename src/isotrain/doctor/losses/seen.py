@@ -7,7 +7,6 @@ need the value ranges of every loss's input, target and weights, and which op ma
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from isotrain.doctor.ground.calls import call_site
+from isotrain.doctor.ground.calls import bound, call_site
 from isotrain.doctor.ground.context import Context
 
 __all__ = ["Seen", "SeenCall", "TensorSeen", "seen_calls"]
@@ -117,14 +116,11 @@ class _LossMode(TorchFunctionMode):
         return out
 
     def _record(self, func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> SeenCall:
-        try:
-            bound = inspect.signature(func).bind(*args, **kwargs).arguments
-        except (TypeError, ValueError):
-            bound = {}
-        x = bound.get("input")
+        arguments = bound(func, args, kwargs) or {}
+        x = arguments.get("input")
         dim = _class_dim(name, tuple(x.shape)) if isinstance(x, torch.Tensor) else 0
         tensors, options = {}, {}
-        for key, value in bound.items():
+        for key, value in arguments.items():
             if isinstance(value, torch.Tensor):
                 made = self.seen.made.get(_storage(value))
                 tensors[key] = _summary(value, dim if value.dim() > dim else 0, made)
