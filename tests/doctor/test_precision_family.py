@@ -30,13 +30,16 @@ def severities(d: Any, kind: str) -> list[str]:
     return [f.severity for f in d.findings if f.kind == kind]
 
 
-@pytest.mark.parametrize(("kind", "make", "severity"), zoo_precision.BUGS, ids=_id)
+REPORTS = zoo_precision.BUGS + zoo_precision.HELD_OUT
+
+
+@pytest.mark.parametrize(("kind", "make", "severity"), REPORTS, ids=_id)
 def test_the_bug_is_named(kind: str, make: Any, severity: str) -> None:
     d = examine(**make(False), checks=[kind])
     assert severities(d, kind) == [severity], d
 
 
-@pytest.mark.parametrize(("kind", "make", "severity"), zoo_precision.BUGS, ids=_id)
+@pytest.mark.parametrize(("kind", "make", "severity"), REPORTS, ids=_id)
 def test_the_twin_is_clean_and_untouched(kind: str, make: Any, severity: str) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
 
