@@ -171,3 +171,8 @@ def test_optimizers_that_step_low_precision_safely_are_not_named(
     setup = _classifier(model, torch.optim.AdamW(model.parameters(), **kw))
     d = examine(**setup, checks=["optimizer_eps_underflow", "loss_in_low_precision"])
     assert d.findings == [], d
+
+
+def test_a_step_that_makes_nan_twice_from_the_same_state_is_deterministic() -> None:
+    d = examine(**zoo_precision.setup_pytorch_8860_half_adam(False), checks=["nondeterminism"])
+    assert d.findings == [], d
