@@ -25,12 +25,27 @@ from torch.overrides import TorchFunctionMode
 from isotrain._torch_private import DispatchMode, tree_leaves
 from isotrain.doctor.ground.watch import DOCTOR_DIR, STDLIB_DIR, TORCH_DIR, short_path
 
-__all__ = ["CallWatch", "LossCall", "bound", "call_site", "reduction", "watching_calls"]
+__all__ = [
+    "LOSS_FUNCTIONS",
+    "CallWatch",
+    "LossCall",
+    "bound",
+    "call_site",
+    "reduction",
+    "watching_calls",
+]
 
 
 LOSSES = {
     F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss", F.mse_loss: "mse_loss",
     F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss", F.huber_loss: "huber_loss",
+}  # fmt: skip
+LOSS_FUNCTIONS: dict[Any, str] = {  # every torch.nn.functional loss (nn.*Loss modules call them)
+    getattr(F, n): n
+    for n in dir(F)
+    if (n.endswith("_loss") or n in ("cross_entropy", "binary_cross_entropy",
+                                     "binary_cross_entropy_with_logits", "kl_div"))
+    and callable(getattr(F, n))
 }  # fmt: skip
 ELEMENTWISE = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"}  # input and target align
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}

@@ -14,19 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from isotrain.doctor.ground.calls import bound, call_site
+from isotrain.doctor.ground.calls import LOSS_FUNCTIONS, bound, call_site
 from isotrain.doctor.ground.context import Context
 
 __all__ = ["Seen", "SeenCall", "TensorSeen", "seen_calls"]
 
 # every loss in torch.nn.functional (the nn.*Loss modules call these)
-LOSS_FUNCTIONS: dict[Any, str] = {
-    getattr(F, n): n
-    for n in dir(F)
-    if (n.endswith("_loss") or n in ("cross_entropy", "binary_cross_entropy",
-                                     "binary_cross_entropy_with_logits", "kl_div"))
-    and callable(getattr(F, n))
-}  # fmt: skip
 _SQUASH = {
     F.softmax: "softmax", torch.softmax: "softmax", torch.Tensor.softmax: "softmax",
     F.log_softmax: "log_softmax", torch.log_softmax: "log_softmax",

@@ -14,23 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from isotrain.doctor.ground.calls import call_site
+from isotrain.doctor.ground.calls import LOSS_FUNCTIONS, call_site
 from isotrain.doctor.ground.context import CannotRun, Context, params_of
 
 __all__ = ["GradError", "HalfStep", "LossSeen", "half_step", "half_step_ok"]
 
 LOW = (torch.float16, torch.bfloat16)
-_LOSSES: dict[Any, str] = {
-    F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss", F.kl_div: "kl_div",
-    F.binary_cross_entropy: "binary_cross_entropy",
-    F.binary_cross_entropy_with_logits: "binary_cross_entropy_with_logits",
-    F.mse_loss: "mse_loss", F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss",
-    F.huber_loss: "huber_loss",
-}  # fmt: skip
-
 # NOTE [scaled twin]
 # Multiplying a loss by a power of two S and dividing its gradient by S again changes nothing
 # in float32 or bfloat16 (their exponent range holds both), so the two gradients agree bit for
@@ -91,7 +82,7 @@ class _Mode(TorchFunctionMode):
             return out
         if out.dtype == torch.float16 and out.grad_fn is not None:
             self.seen.half = True
-        name = _LOSSES.get(func)
+        name = LOSS_FUNCTIONS.get(func)
         if name is not None and out.dtype in LOW and out.numel() == 1:
             self.seen.losses.append(_loss_seen(name, func, out, args, kwargs))
         return out
