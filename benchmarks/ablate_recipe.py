@@ -1,8 +1,10 @@
-"""The speedrun recipe's ablation: each NanoGPT-speedrun change alone on the tiny preset.
+"""The speedrun recipe's ablation: each NanoGPT-speedrun change alone on the tiny preset, and
+each taken back from the whole recipe.
 
-Runs `isotrain train --preset tiny` once per (variant, seed) as its own process, each variant
-the tiny preset plus one change (and the whole recipe), all for the same number of steps with
-the cosine schedule over them. Records the exact validation loss at the end (the trainer's own
+Runs `isotrain train` once per (variant, seed) as its own process, each variant the tiny preset
+plus one change, the whole recipe (`--preset speedrun`), or the recipe with one change taken
+back or its learning rate halved or doubled, all for the same number of steps with the cosine
+schedule over them. Records the exact validation loss at the end (the trainer's own
 evaluation covers every window of the default corpus's split), the process CPU and wall
 seconds (the child's own rusage: CPU is robust to load), and, measured apart in this process,
 each variant's CPU seconds per training step (`--time-steps` steps of `train_step`, one torch
@@ -48,6 +50,20 @@ VARIANTS: dict[str, list[str]] = {
     "all of the above (--preset speedrun)": ["--preset", "speedrun"],
     "no biases": ["--model.no-bias"],
 }
+RECIPE = "all of the above (--preset speedrun)"
+# the whole recipe with one change taken back (what each is worth inside it), and its
+# learning rate (--optim.lr serves Muon and AdamW alike) halved and doubled
+WITHOUT: dict[str, list[str]] = {
+    "recipe without Muon (AdamW)": ["--optim.name", "adamw"],
+    "recipe without rotary (learned positions)": ["--model.positions", "learned"],
+    "recipe without QK-norm": ["--model.no-qk-norm"],
+    "recipe without ReLU squared (GELU)": ["--model.activation", "gelu"],
+    "recipe without zero-init": ["--model.no-zero-init"],
+    "recipe with a tied head (zero-init projections only)": ["--model.tie-head"],
+    "recipe at lr 0.002": ["--optim.lr", "0.002"],
+    "recipe at lr 0.008": ["--optim.lr", "0.008"],
+}
+VARIANTS |= {name: [*VARIANTS[RECIPE], *change] for name, change in WITHOUT.items()}
 QUICK_FLAGS = ["--model.n-layer", "2", "--model.d-model", "32", "--model.n-head", "2",
                "--model.block-size", "32", "--data.batch-size", "4", "--data.max-bytes", "200000",
                "--eval-batches", "8"]  # fmt: skip
@@ -105,18 +121,27 @@ def cpu_per_step(name: str, steps: int, quick: bool) -> float:
         return (time.process_time() - t0) / steps
 
 
-def table(runs: list[dict[str, Any]], cost: dict[str, float]) -> list[str]:
-    """One row per (variant, steps): val (mean, each seed), its change from the baseline at
-    the same steps, CPU s per step and its ratio to the baseline's."""
-    first = next(iter(VARIANTS))
+def table(runs: list[dict[str, Any]], cost: dict[str, float], *, taken_back: bool) -> list[str]:
+    """One row per (variant, steps): val (mean, each seed), its change from the reference at
+    the same steps (the baseline for a change alone; with `taken_back`, the whole recipe for
+    one change taken back), CPU s per step and its ratio to the reference's."""
+    first = RECIPE if taken_back else next(iter(VARIANTS))
+    names = [RECIPE, *WITHOUT] if taken_back else [n for n in VARIANTS if n not in WITHOUT]
+    head = (
+        "the recipe, one change taken back" if taken_back else "change (alone, on the tiny preset)"
+    )
+    ref = "recipe" if taken_back else "baseline"
     lines = [
-        "| change (alone, on the tiny preset) | steps | val (mean; each seed) | vs baseline "
-        "| CPU s/step | CPU vs baseline | process CPU s (mean) |",
+        f"| {head} | steps | val (mean; each seed) | vs {ref} | CPU s/step | CPU vs {ref} "
+        "| process CPU s (mean) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for steps in sorted({r["steps"] for r in runs}):
+    steps_run = {r["steps"] for r in runs if not taken_back or r["variant"] in WITHOUT}
+    if not steps_run:
+        return []
+    for steps in sorted(steps_run):
         base = [r["val"] for r in runs if r["variant"] == first and r["steps"] == steps]
-        for name in VARIANTS:
+        for name in names:
             rs = [r for r in runs if r["variant"] == name and r["steps"] == steps]
             if not rs:
                 continue
@@ -186,13 +211,15 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{meta['command']}`  ",
         f"Machine: {machine_line(meta)}  ",
-        "Each run: `isotrain train --preset tiny` plus the change, for its steps (cosine over "
-        "them), fp32, one torch thread, its own process. Val: the trainer's exact loss over "
-        "every validation window (nats/byte), deterministic given the seed. CPU s/step: "
+        "Each run: `isotrain train --preset tiny` plus the change (or `--preset speedrun` less "
+        "one change, in the second table), for its steps (cosine over them), fp32, one torch "
+        "thread, its own process. Val: the trainer's exact loss over every validation window "
+        "(nats/byte), deterministic given the seed. CPU s/step: "
         "`train_step` timed in one process with one thread (process CPU time, robust to load); "
         "process CPU s: a whole run's, start-up and its one evaluation included.",
         "",
-        *table(runs, cost),
+        *table(runs, cost, taken_back=False),
+        *(["", *back] if (back := table(runs, cost, taken_back=True)) else []),
         "",
         "| variant | steps | seed | val | process CPU s | wall s | ms/step | skipped | load |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",

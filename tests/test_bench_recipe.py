@@ -92,6 +92,25 @@ def test_ablation_table_compares_each_change_at_equal_steps(mods, tmp_path) -> N
         {"variant": muon, "steps": 400, "val": 1.86, "cpu_s": 220.0},
         {"variant": muon, "steps": 400, "val": 1.88, "cpu_s": 218.0},
     ]
-    rows = ab.table(runs, {first: 0.40, muon: 0.48})
+    rows = ab.table(runs, {first: 0.40, muon: 0.48}, taken_back=False)
     assert rows[2] == f"| {first} | 400 | 2.0800 (2.0800) | +0.0000 | 0.400 | 1.000 | 190 |"
     assert rows[3] == f"| {muon} | 400 | 1.8700 (1.8600, 1.8800) | -0.2100 | 0.480 | 1.200 | 219 |"
+
+
+def test_a_change_taken_back_is_the_recipe_less_it_and_compared_with_the_recipe(mods) -> None:
+    ab = mods["ablate_recipe"]
+    name = "recipe without QK-norm"
+    assert ab.VARIANTS[name] == ["--preset", "speedrun", "--model.no-qk-norm"]
+    runs = [
+        {"variant": ab.RECIPE, "steps": 300, "val": 1.55, "cpu_s": 190.0},
+        {"variant": ab.RECIPE, "steps": 300, "val": 1.57, "cpu_s": 192.0},
+        {"variant": name, "steps": 300, "val": 1.60, "cpu_s": 180.0},
+        {"variant": ab.RECIPE, "steps": 400, "val": 1.45, "cpu_s": 234.0},  # nothing taken back
+    ]
+    rows = ab.table(runs, {ab.RECIPE: 0.50, name: 0.45}, taken_back=True)
+    assert rows[0].startswith("| the recipe, one change taken back | steps |")
+    assert rows[2:] == [
+        f"| {ab.RECIPE} | 300 | 1.5600 (1.5500, 1.5700) | +0.0000 | 0.500 | 1.000 | 191 |",
+        f"| {name} | 300 | 1.6000 (1.6000) | +0.0400 | 0.450 | 0.900 | 180 |",
+    ]
+    assert all(n not in "".join(ab.table(runs, {}, taken_back=False)) for n in ab.WITHOUT)

@@ -15,6 +15,7 @@ from tests.doctor import (
     zoo_data,
     zoo_losses,
     zoo_model,
+    zoo_precision,
     zoo_ranks,
     zoo_reports,
     zoo_state,
@@ -137,6 +138,7 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
 CASES += zoo_reports.CASES  # the bugs of public reports, each with its link
 CASES += [(k, partial(setup, False), partial(setup, True), sev) for k, setup, sev in zoo_data.CASES]
 CASES += zoo_losses.CASES + zoo_update.CASES + zoo_state.CASES + zoo_model.CASES  # newer families
+CASES += zoo_precision.CASES
 
 
 def _id(case: tuple[Any, ...]) -> str:

@@ -9,11 +9,12 @@ dispatch mode below it names matmul-class ops that run in float32 inside that re
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,12 +25,27 @@ from torch.overrides import TorchFunctionMode
 from isotrain._torch_private import DispatchMode, tree_leaves
 from isotrain.doctor.ground.watch import DOCTOR_DIR, STDLIB_DIR, TORCH_DIR, short_path
 
-__all__ = ["CallWatch", "LossCall", "call_site", "watching_calls"]
+__all__ = [
+    "LOSS_FUNCTIONS",
+    "CallWatch",
+    "LossCall",
+    "bound",
+    "call_site",
+    "reduction",
+    "watching_calls",
+]
 
 
 LOSSES = {
     F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss", F.mse_loss: "mse_loss",
     F.l1_loss: "l1_loss", F.smooth_l1_loss: "smooth_l1_loss", F.huber_loss: "huber_loss",
+}  # fmt: skip
+LOSS_FUNCTIONS: dict[Any, str] = {  # every torch.nn.functional loss (nn.*Loss modules call them)
+    getattr(F, n): n
+    for n in dir(F)
+    if (n.endswith("_loss") or n in ("cross_entropy", "binary_cross_entropy",
+                                     "binary_cross_entropy_with_logits", "kl_div"))
+    and callable(getattr(F, n))
 }  # fmt: skip
 ELEMENTWISE = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"}  # input and target align
 _SOFTMAX = {F.softmax, torch.softmax, torch.Tensor.softmax}
@@ -131,8 +147,7 @@ class _CallMode(TorchFunctionMode):
         w = self.watch
         w.region = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda")
                     if torch.is_autocast_enabled(d)}  # fmt: skip
-        name = LOSSES.get(func)
-        call = _loss_call(w, name, args, kwargs) if name else None
+        call = _loss_call(w, func, args, kwargs) if func in LOSSES else None
         out = func(*args, **kwargs)
         if call is not None:
             scalar = isinstance(out, torch.Tensor) and out.numel() == 1
@@ -156,24 +171,44 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
-def _loss_call(w: CallWatch, name: str, args: Any, kwargs: dict[str, Any]) -> LossCall | None:
+def bound(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """A call's arguments by parameter name, as passed (defaults not filled in), or None when
+    they do not bind to the function's signature (the call itself will raise)."""
+    try:
+        return dict(inspect.signature(func).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return None
+
+
+def reduction(arguments: Mapping[str, Any]) -> str:
+    """The reduction a loss call performs: its `reduction`, or what the legacy
+    `size_average`/`reduce` pair means when either is given (torch's own reading of them)."""
+    size_average, reduce = arguments.get("size_average"), arguments.get("reduce")
+    if size_average is None and reduce is None:
+        return str(arguments.get("reduction", "mean"))
+    if reduce is False:
+        return "none"
+    return "sum" if size_average is False else "mean"
+
+
+def _loss_call(w: CallWatch, func: Any, args: Any, kwargs: dict[str, Any]) -> LossCall | None:
     """The call's record, taken before it runs (the target may be changed in place later)."""
-    x = args[0] if args else kwargs.get("input")
-    y = args[1] if len(args) > 1 else kwargs.get("target")
+    arguments = bound(func, args, kwargs)
+    if arguments is None:
+        return None
+    x, y = arguments.get("input"), arguments.get("target")
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return None
     where, inner = call_site()
-    ce = name in ("cross_entropy", "nll_loss")  # (input, target, weight, _, ignore_index, _,
-    classes = ce and not y.is_floating_point()  # reduction); elementwise: reduction is 5th
-    ignore = kwargs.get("ignore_index", args[4] if ce and len(args) > 4 else -100)
-    at = 6 if ce else 2 if name == "huber_loss" else 4
-    reduction = kwargs.get("reduction", args[at] if len(args) > at else "mean")
+    name = LOSSES[func]
+    ce = name in ("cross_entropy", "nll_loss")
+    classes = ce and not y.is_floating_point()
     probs = _probabilities(x) if ce else None
     softmax = w.softmax_at.get(_storage(x)) if probs else None
     return LossCall(
         name, w.step, where, inner, tuple(x.shape), tuple(y.shape),
-        y.detach().clone() if classes else None, int(ignore),
-        str(reduction), probs, softmax,
+        y.detach().clone() if classes else None, int(arguments.get("ignore_index", -100)),
+        reduction(arguments), probs, softmax,
     )  # fmt: skip
 
 

@@ -7,7 +7,6 @@ need the value ranges of every loss's input, target and weights, and which op ma
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,19 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from isotrain.doctor.ground.calls import call_site
+from isotrain.doctor.ground.calls import LOSS_FUNCTIONS, bound, call_site
 from isotrain.doctor.ground.context import Context
 
 __all__ = ["Seen", "SeenCall", "TensorSeen", "seen_calls"]
 
 # every loss in torch.nn.functional (the nn.*Loss modules call these)
-LOSS_FUNCTIONS: dict[Any, str] = {
-    getattr(F, n): n
-    for n in dir(F)
-    if (n.endswith("_loss") or n in ("cross_entropy", "binary_cross_entropy",
-                                     "binary_cross_entropy_with_logits", "kl_div"))
-    and callable(getattr(F, n))
-}  # fmt: skip
 _SQUASH = {
     F.softmax: "softmax", torch.softmax: "softmax", torch.Tensor.softmax: "softmax",
     F.log_softmax: "log_softmax", torch.log_softmax: "log_softmax",
@@ -117,14 +109,11 @@ class _LossMode(TorchFunctionMode):
         return out
 
     def _record(self, func: Any, name: str, args: Any, kwargs: dict[str, Any]) -> SeenCall:
-        try:
-            bound = inspect.signature(func).bind(*args, **kwargs).arguments
-        except (TypeError, ValueError):
-            bound = {}
-        x = bound.get("input")
+        arguments = bound(func, args, kwargs) or {}
+        x = arguments.get("input")
         dim = _class_dim(name, tuple(x.shape)) if isinstance(x, torch.Tensor) else 0
         tensors, options = {}, {}
-        for key, value in bound.items():
+        for key, value in arguments.items():
             if isinstance(value, torch.Tensor):
                 made = self.seen.made.get(_storage(value))
                 tensors[key] = _summary(value, dim if value.dim() > dim else 0, made)

@@ -13,9 +13,8 @@ no_sync.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from isotrain.doctor.ground.calls import LOSSES
+from isotrain.doctor.ground.calls import LOSSES, bound, reduction
 from isotrain.doctor.ground.context import as_loss
 
 __all__ = ["EXACT", "Backwards", "Summary", "summarize"]
@@ -53,17 +52,6 @@ class Summary:
     unsynced: bool = False  # some backward ran under DDP's no_sync (accumulation)
 
 
-def _mean_reduced(func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a loss-function call reduces by the mean (the legacy size_average/reduce
-    arguments: not known)."""
-    try:
-        bound = inspect.signature(func).bind(*args, **kwargs).arguments
-    except (TypeError, ValueError):
-        return False
-    legacy = bound.get("size_average") is not None or bound.get("reduce") is not None
-    return not legacy and bound.get("reduction", "mean") == "mean"
-
-
 class _LossMode(TorchFunctionMode):
     """Notes each mean-reduced scalar loss-function output that carries a graph."""
 
@@ -76,7 +64,8 @@ class _LossMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = LOSSES.get(func)
         scalar = isinstance(out, torch.Tensor) and out.numel() == 1 and out.grad_fn is not None
-        if name and scalar and _mean_reduced(func, args, kwargs):  # the node held: its id
+        arguments = bound(func, args, kwargs) if name and scalar else None
+        if name and arguments is not None and reduction(arguments) == "mean":  # the node: its id
             self.seen[id(out.grad_fn)] = (out.grad_fn, out.detach().clone(), name)  # unique
         return out
 
