@@ -1,7 +1,7 @@
 """Whether each float16/bfloat16 parameter keeps the update its optimizer's rule gives, in
 float32, for the gradient step() received (NOTE [the rule's update] in update.rule): an update
-below half the spacing of the parameter's numbers rounds away; one whose arithmetic in the
-parameter's dtype overflows or underflows leaves NaN/Inf."""
+below half the spacing of the parameter's numbers rounds away. A value the step turned NaN/Inf
+is numerics' optimizer_eps_underflow (the step's arithmetic in that dtype), not counted here."""
 
 from __future__ import annotations
 
@@ -23,31 +23,29 @@ _NOTABLE = 0.1  # the share of the whole update's size lost that is worth a warn
 class _Lost:
     """What rounding took, summed over the judged float16/bfloat16 parameters."""
 
-    moves: int = 0  # elements the rule moves
+    moves: int = 0  # elements the rule moves (and the step left finite)
     still: int = 0  # of them, those whose stored value did not change
-    broken: int = 0  # of them, those that became NaN/Inf
     size: float = 0.0  # |u| summed over the elements the rule moves
     lost: float = 0.0  # ... over those still
     tensors: dict[str, float] = field(default_factory=dict)  # name -> share of its update lost
 
     def add(self, name: str, s: Stepped, i: int) -> None:
         pre, post, u = s.pre[i], s.post[i], s.rule[i]
-        moves = (u != 0) & u.isfinite() & pre.isfinite()
-        still, broken = moves & (post == pre), moves & ~post.isfinite()
+        moves = (u != 0) & u.isfinite() & pre.isfinite() & post.isfinite()
+        still = moves & (post == pre)
         size = u.double().abs()
-        total, lost = float(size[moves].sum()), float(size[still | broken].sum())
+        total, lost = float(size[moves].sum()), float(size[still].sum())
         self.moves += int(moves.sum())
         self.still += int(still.sum())
-        self.broken += int(broken.sum())
         self.size, self.lost = self.size + total, self.lost + lost
         if total:
             self.tensors[name] = max(self.tensors.get(name, 0.0), lost / total)
 
 
 def check_rounding(ctx: Context) -> list[Finding]:
-    """update_lost_to_rounding: error when half the update's size is lost or a value became
-    NaN/Inf, warning from a tenth or when a tensor loses half of its own (it does not train);
-    an optimizer that rounds stochastically or keeps the remainder in its state loses none."""
+    """update_lost_to_rounding: error when half the update's size is lost, warning from a tenth
+    or when a tensor loses half of its own (it does not train); an optimizer that rounds
+    stochastically or keeps the remainder in its state loses none."""
     r = rule(ctx)
     low = {id(s): [i for i in s.pre if s.pre[i].dtype in LOW] for s in r.steps}
     if not any(low.values()):
@@ -66,22 +64,16 @@ def check_rounding(ctx: Context) -> list[Finding]:
     stuck = sorted(
         (n for n, v in found.tensors.items() if v >= _MOST), key=found.tensors.__getitem__
     )
-    if share < _NOTABLE and not stuck and not found.broken:
+    if share < _NOTABLE and not stuck:
         return []
     s0 = next(s for s in r.steps if low[id(s)])
     dtype = str(s0.pre[low[id(s0)][0]].dtype).removeprefix("torch.")
     named = stuck[::-1] or sorted(found.tensors, key=found.tensors.__getitem__, reverse=True)
-    broken = (
-        f"; {found.broken} became NaN/Inf, where the rule's update is finite (the optimizer's "
-        f"arithmetic in {dtype} overflowed or underflowed: Adam's eps=1e-8 is 0 in float16)"
-        if found.broken else ""
-    )  # fmt: skip
-    severe = share >= _MOST or bool(found.broken)
     return [Finding(
-        "update_lost_to_rounding", "error" if severe else "warning", s0.where,
+        "update_lost_to_rounding", "error" if share >= _MOST else "warning", s0.where,
         f"at call {r.call + 1} of your step, of the {found.moves} elements of {dtype} "
         f"parameters the optimizer's rule (replayed in float32) moves, {found.still} kept their "
-        f"stored value{broken}: {share:.0%} of the update's size is lost, and {len(stuck)} "
+        f"stored value: {share:.0%} of the update's size is lost, and {len(stuck)} "
         f"tensor(s) lost half of theirs or more ({name_list(named)}): an update below half the "
         f"spacing of {dtype} numbers at its weight rounds away",
         "keep the parameters in float32 (master weights) and run the forward under "
@@ -124,7 +116,7 @@ ROUNDING = Check(
     (
         Kind(
             "update_lost_to_rounding",
-            "a float16/bfloat16 parameter does not keep its update: it rounds away, or turns NaN",
+            "a float16/bfloat16 parameter's update rounds away: its stored value does not move",
         ),
     ),
     check_rounding,
