@@ -18,7 +18,10 @@ from torch import nn
 
 from isotrain.doctor import examine
 
-KINDS = ["gradient_discarded", "clip_misplaced", "stale_gradient", "advantage_not_detached"]
+KINDS = [
+    "gradient_discarded", "clip_misplaced", "stale_gradient", "advantage_not_detached",
+    "update_applied_twice", "update_lost_to_rounding",
+]  # fmt: skip
 EXTRAS = ("ema", "scheduler", "counter")
 
 

@@ -4,6 +4,7 @@ are listed in update_reports.md."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -214,6 +215,171 @@ def setup_actor_critic_separate_optimizers(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opts, batches=rollouts(), step=step, loss_falls=False)
 
 
+# -- the update against the optimizer's own rule -----------------------------------------
+
+
+class CURL(nn.Module):
+    """An encoder and the contrastive bilinear matrix W that compares its codes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.W = nn.Parameter(torch.eye(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x)
+
+
+def setup_curl_encoder_two_optimizers(fixed: bool) -> dict[str, Any]:
+    """https://github.com/MishaLaskin/curl/issues/28: the contrastive optimizer is built over
+    the CURL module, encoder included, which the encoder's own optimizer holds too; after one
+    backward both step, so the encoder gets the same gradient's update twice."""
+    model = seeded(CURL)
+    encoder_opt = torch.optim.Adam(model.encoder.parameters(), lr=1e-3)
+    cpc_params = [model.W] if fixed else [model.W, *model.encoder.parameters()]  # BUG (unfixed)
+    cpc_opt = torch.optim.Adam(cpc_params, lr=1e-3)
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        encoder_opt, cpc_opt = opts
+        x, _ = batch
+        z_a, z_pos = model.encoder(x), model.encoder(x.flip(0)).detach()
+        logits = z_a @ model.W @ z_pos.T  # (B, B): each anchor against every key
+        loss = F.cross_entropy(logits, torch.arange(len(x)))
+        encoder_opt.zero_grad()
+        cpc_opt.zero_grad()
+        loss.backward()
+        encoder_opt.step()
+        cpc_opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=[encoder_opt, cpc_opt], batches=features(), step=step)
+
+
+class SharedActorCritic(nn.Module):
+    """tianshou's PPO test net: a preprocess network shared by the actor and the critic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.preprocess = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.actor = nn.Sequential(self.preprocess, nn.Linear(16, 4))
+        self.critic = nn.Sequential(self.preprocess, nn.Linear(16, 1))
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.actor(s), self.critic(s).squeeze(-1)
+
+
+def setup_tianshou_listed_twice(fixed: bool) -> dict[str, Any]:
+    """https://github.com/thu-ml/tianshou/issues/395: the optimizer is built from
+    list(actor.parameters()) + list(critic.parameters()); the shared preprocess net sits twice
+    in the one group, so each step() updates it twice (the fix: a set of the parameters)."""
+    model = seeded(SharedActorCritic)
+    params = [*model.actor.parameters(), *model.critic.parameters()]  # BUG (unfixed): twice
+    if fixed:
+        params = list(dict.fromkeys(params))  # the report's set(), in a stable order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns of the duplicates: the report's warning
+        opt = torch.optim.Adam(params, lr=1e-3)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        s, a, ret = batch
+        logits, value = model(s)
+        adv = (ret - value).detach()
+        log_prob = torch.distributions.Categorical(logits=logits).log_prob(a)
+        loss = -(log_prob * adv).mean() + 0.5 * F.mse_loss(value, ret)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=rollouts(), step=step)
+
+
+def setup_manual_update_on_top(fixed: bool) -> dict[str, Any]:
+    """The planted form: a hand-written SGD update, kept from a tutorial loop, on top of
+    optimizer.step(): every parameter moves by the rule plus -lr * grad."""
+    lr = 0.05
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        opt.step()
+        if not fixed:
+            for p in model.parameters():
+                p.data.add_(-lr * p.grad)  # BUG: the optimizer already applied this gradient
+        return loss.detach()
+
+    model = seeded(MLP)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return mlp_setup(model=model, optimizer=opt, step=step)
+
+
+def norm_mlp() -> nn.Module:
+    """An MLP with a LayerNorm: its weights start at 1.0, where bfloat16 numbers are 2^-7 apart."""
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _bf16_setup(fixed: bool, opt: Any, lr: float) -> dict[str, Any]:
+    """A norm_mlp stepped by `opt` at `lr`: in bfloat16 throughout (the bug), or in float32
+    with the forward under bfloat16 autocast (the twin: float32 master weights)."""
+    model = seeded(norm_mlp)
+    if not fixed:
+        model = model.to(torch.bfloat16)  # BUG (unfixed): the weights themselves in bfloat16
+    optimizer = opt(model.parameters(), lr=lr)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=fixed):
+            logits = model(x.to(next(model.parameters()).dtype))
+        loss = F.cross_entropy(logits.float(), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=optimizer, batches=features(), step=step)
+
+
+def setup_bf16_adam_no_master(fixed: bool) -> dict[str, Any]:
+    """https://github.com/workofart/ml-by-hand/pull/85: bfloat16 weights stepped by Adam with no
+    float32 master copy: at lr 6e-4 a weight of 1.0 steps to 0.9994, which rounds back to 1.0."""
+    return _bf16_setup(fixed, torch.optim.AdamW, 6e-4)
+
+
+def setup_aim_model_forced_bf16(fixed: bool) -> dict[str, Any]:
+    """https://github.com/hp-l33/AiM/issues/10: the model forced to bfloat16 (weights
+    included) for training at lr 4e-4: the loss falls much more slowly than with bf16=True,
+    which keeps float32 weights and casts in the forward."""
+    return _bf16_setup(fixed, torch.optim.AdamW, 4e-4)
+
+
+class StochasticAdamW(torch.optim.AdamW):
+    """AdamW that steps bfloat16 weights in float32 and rounds each new weight stochastically
+    (torchao's bf16_stochastic_round): the update survives in expectation."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        low = [p for g in self.param_groups for p in g["params"] if p.dtype == torch.bfloat16]
+        kept = [(p.data, p.grad) for p in low]
+        for p in low:  # the step in float32, on float32 copies of the weight and gradient
+            p.data, p.grad = p.data.float(), None if p.grad is None else p.grad.float()
+        try:
+            super().step(closure)
+        finally:
+            for p, (data, grad) in zip(low, kept, strict=True):
+                bits = p.data.view(torch.int32)
+                bits = bits + torch.randint_like(bits, 0, 1 << 16)  # rounds up with odds = rest
+                data.copy_((bits & -65536).view(torch.float32))  # truncate to bfloat16
+                p.data, p.grad = data, grad
+        return None
+
+
+def setup_full_bf16_stochastic_rounding(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/ao/pull/1124: full bfloat16 training loses every update
+    below ~1e-3 of its weight to round-to-nearest; the twin rounds stochastically."""
+    return _bf16_setup(False, StochasticAdamW if fixed else torch.optim.AdamW, 2e-4)
+
+
 # -- held out (update_reports.md): rebuilt once the checks were done -----------------------
 
 
@@ -311,10 +477,139 @@ def setup_a3c_shared_network(fixed: bool) -> dict[str, Any]:
     return ac_setup(step, shared=True)
 
 
+class GAN(nn.Module):
+    """A generator over 4 noise features and a discriminator over 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, real: torch.Tensor) -> torch.Tensor:
+        return self.D(real)
+
+
+def setup_applio_scaler_and_step(fixed: bool) -> dict[str, Any]:
+    """https://github.com/IAHispano/Applio/pull/860 ("optimizer step bugfix"): the GAN loop
+    steps each optimizer through the GradScaler and then calls optim_g.step() and
+    optim_d.step() again."""
+    model = seeded(GAN)
+    optim_g = torch.optim.AdamW(model.G.parameters(), lr=2e-4, betas=(0.8, 0.99))
+    optim_d = torch.optim.AdamW(model.D.parameters(), lr=2e-4, betas=(0.8, 0.99))
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        optim_g, optim_d = opts
+        real = batch[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fake = model.G(torch.randn(len(real), 4))
+            loss_disc = (
+                F.softplus(-model.D(real)).mean() + F.softplus(model.D(fake.detach())).mean()
+            )
+        optim_d.zero_grad()
+        scaler.scale(loss_disc).backward()
+        scaler.unscale_(optim_d)
+        scaler.step(optim_d)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_gen = F.softplus(-model.D(fake)).mean()
+        optim_g.zero_grad()
+        scaler.scale(loss_gen).backward()
+        scaler.unscale_(optim_g)
+        scaler.step(optim_g)
+        scaler.update()
+        if not fixed:
+            optim_g.step()  # BUG: the scaler already stepped both
+            optim_d.step()
+        return loss_gen.detach()
+
+    return dict(model=model, optimizer=[optim_g, optim_d], batches=features(), step=step)
+
+
+def setup_eco_misplaced_step(fixed: bool) -> dict[str, Any]:
+    """https://github.com/mzolfaghari/ECO-pytorch/pull/1 ("Misplaced optimizer step"): with
+    iter_size > 1 the loop steps inside the `if` that ends the accumulation and once more
+    outside it, on every iteration."""
+    iter_size = 2
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        loss = ce(model, batch) / iter_size
+        loss.backward()
+        calls["n"] += 1
+        if calls["n"] % iter_size == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        if not fixed:
+            opt.step()  # BUG: misplaced, outside the accumulation's `if`
+        return loss.detach()
+
+    model = seeded(MLP)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return mlp_setup(model=model, optimizer=opt, step=step)
+
+
+class LoRAHalf(nn.Module):
+    """A frozen base Linear and LoRA factors (B zero at init), all in `dtype`."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 4).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(8, 4, bias=False), nn.Linear(4, 4, bias=False)
+        nn.init.zeros_(self.lora_B.weight)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.base.weight.dtype)
+        return (self.base(x) + self.lora_B(self.lora_A(x))).float()
+
+
+def setup_onetrainer_float16_weights(fixed: bool) -> dict[str, Any]:
+    """https://github.com/Nerogar/OneTrainer/issues/146 ("If set weight-dtype to FLOAT_16, it
+    trains nothing"): LoRA weights in float16, stepped by AdamW."""
+    model = seeded(lambda: LoRAHalf(torch.float32 if fixed else torch.float16))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        opt.zero_grad()
+        loss = ce(model, batch)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=features(), step=step)
+
+
+def setup_bf16_adamw_language_model(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/pytorch/issues/120376 ("Stochastic rounding in bfloat16"): a
+    small language model trained in bfloat16 with AdamW; the twin rounds stochastically."""
+    from tests.doctor.zoo import TinyLM, tokens
+
+    model = seeded(TinyLM).to(torch.bfloat16)
+    opt = (StochasticAdamW if fixed else torch.optim.AdamW)(model.parameters(), lr=1e-3)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return dict(model=model, optimizer=opt, batches=tokens(), step=step)
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
     ("advantage_not_detached", setup_a3c_shared_network, "error"),
+    ("update_applied_twice", setup_applio_scaler_and_step, "error"),
+    ("stale_gradient", setup_eco_misplaced_step, "error"),  # not applied twice: stale
+    # missed by the new kinds when first tested (update_reports.md): float16 AdamW's eps
+    # underflow is the precision family's; the language model's norm gains named since
+    ("optimizer_eps_underflow", setup_onetrainer_float16_weights, "error"),
+    ("update_lost_to_rounding", setup_bf16_adamw_language_model, "warning"),
 ]
 
 
@@ -331,6 +626,12 @@ BUGS: list[tuple[str, Any, str]] = [
     ("advantage_not_detached", setup_actor_critic_summed, "error"),
     ("advantage_not_detached", setup_actor_critic_shared_heads, "error"),
     ("advantage_not_detached", setup_actor_critic_separate_optimizers, "error"),
+    ("update_applied_twice", setup_curl_encoder_two_optimizers, "error"),
+    ("update_applied_twice", setup_tianshou_listed_twice, "error"),
+    ("update_applied_twice", setup_manual_update_on_top, "error"),
+    ("update_lost_to_rounding", setup_bf16_adam_no_master, "warning"),
+    ("update_lost_to_rounding", setup_aim_model_forced_bf16, "error"),
+    ("update_lost_to_rounding", setup_full_bf16_stochastic_rounding, "error"),
 ]
 
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain.doctor.ground.context import STAT_NORMS, Context, Probe, params_of
+from isotrain.doctor.ground.context import STAT_NORMS, CannotRun, Context, Probe, params_of
 from isotrain.doctor.ground.finding import Finding, Severity
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.probe import probe, probe_ok
+from isotrain.doctor.update.rule import LOW, rule
 
 __all__ = ["LEARNING", "OPTIMIZER", "check_learning", "check_optimizer", "name_list"]
 
@@ -125,7 +126,8 @@ def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:
     normed = _bias_before_norm(ctx, ctx.fresh()[0]) if kept else {}
     redundant = [n for n in kept if n in normed]
     zero = [n for n in kept if n in p.zero_grad and n not in normed]
-    rest = [n for n in kept if n not in p.zero_grad and n not in normed]
+    rounded = _rounded(ctx) if kept else set()
+    rest = [n for n in kept if n not in p.zero_grad and n not in normed and n not in rounded]
     out = []
     if redundant:
         out.append(Finding(
@@ -150,6 +152,20 @@ def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:
     if rest:
         out += _not_moved(ctx, rest, sev(rest))
     return out + (_structural_zeros(ctx, zero) if zero else [])
+
+
+def _rounded(ctx: Context) -> set[str]:
+    """float16/bfloat16 parameters the optimizer's rule moves (update.rule): whether their
+    update survives rounding is update_lost_to_rounding's to judge (a stochastic rounding
+    leaves some of them where they were in one step, by design)."""
+    try:
+        r = rule(ctx)
+    except CannotRun:
+        return set()
+    return {
+        r.names.get(i, "?") for s in r.steps for i, u in s.rule.items()
+        if s.pre[i].dtype in LOW and bool(u.count_nonzero())
+    }  # fmt: skip
 
 
 def _not_moved(ctx: Context, names: list[str], severity: Severity) -> list[Finding]:
