@@ -627,7 +627,7 @@ BUGS: list[tuple[str, Any, str]] = [
     ("advantage_not_detached", setup_actor_critic_shared_heads, "error"),
     ("advantage_not_detached", setup_actor_critic_separate_optimizers, "error"),
     ("update_applied_twice", setup_curl_encoder_two_optimizers, "error"),
-    ("update_applied_twice", setup_tianshou_listed_twice, "error"),
+    ("duplicate_parameter", setup_tianshou_listed_twice, "error"),
     ("update_applied_twice", setup_manual_update_on_top, "error"),
     ("update_lost_to_rounding", setup_bf16_adam_no_master, "warning"),
     ("update_lost_to_rounding", setup_aim_model_forced_bf16, "error"),

@@ -64,23 +64,6 @@ def _by_two_steps(r: Rule) -> _Twice | None:
     return _Twice([r.names.get(i, "?") for i in found], steps[-1].where, how)
 
 
-def _listed_twice(r: Rule) -> _Twice | None:
-    """One step() that moved a parameter it lists twice by more than its rule's update once."""
-    for s in r.steps:
-        listed = [i for m in s.members for i in m]
-        twice = [i for i in dict.fromkeys(listed) if listed.count(i) > 1 and i in s.rule]
-        moved = [i for i in twice if norm(_applied(s, i) - s.rule[i]) > 0.25 * norm(s.rule[i])]
-        if moved:
-            i = moved[0]
-            ratio = norm(_applied(s, i)) / norm(s.rule[i])
-            how = (
-                f"{_times(ratio)} in one step(): {type(s.opt).__name__} lists them "
-                f"{listed.count(i)} times in its param groups"
-            )
-            return _Twice([r.names.get(i, "?") for i in moved], s.where, how)
-    return None
-
-
 def _fit(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float]:
     """y ~ c * a + d * b by least squares: (c, d, relative residual)."""
     basis = torch.stack([a.reshape(-1), b.reshape(-1)], 1)  # (n, 2)
@@ -128,10 +111,11 @@ def _param(ctx: Context, i: int) -> torch.Tensor | None:
 
 def check_twice(ctx: Context) -> list[Finding]:
     """update_applied_twice: a parameter received its optimizer's update for one gradient
-    twice (two step() calls, a listing twice), or a hand-written update besides it."""
+    twice (two step() calls), or a hand-written update besides it. A tensor listed twice in one
+    optimizer is duplicate_parameter's (update.params), read from the groups alone."""
     r = judged(ctx)
     out = []
-    for t in (_by_two_steps(r), _listed_twice(r), _by_hand(ctx, r)):
+    for t in (_by_two_steps(r), _by_hand(ctx, r)):
         if t is not None:
             out.append(Finding(
                 "update_applied_twice", "error", t.where,
@@ -141,14 +125,6 @@ def check_twice(ctx: Context) -> list[Finding]:
                 "call step() once per backward (with a GradScaler, scaler.step(opt) alone: it "
                 "calls opt.step()), and drop hand-written updates (p.data.add_(-lr * p.grad))",
             ))  # fmt: skip
-    failed = next((s.error for s in r.steps if s.error is not None), None)
-    if failed is not None and not out:
-        out.append(Finding(
-            "update_applied_twice", "info", r.steps[0].where,
-            f"partly checked: {failed}; a tensor listed twice in one step() is not judged "
-            "(two step() calls on one gradient and hand-written updates are)",
-            "-",
-        ))  # fmt: skip
     return out
 
 

@@ -35,6 +35,13 @@ def _held(ctx: Context) -> list[tuple[dict[str, Any], torch.Tensor]]:
     return [(g, p) for opt in ctx.optimizers for g in opt.param_groups for p in g["params"]]
 
 
+def _twice_in(opt: torch.optim.Optimizer) -> set[int]:
+    """The ids of tensors one optimizer lists more than once. A tensor two optimizers hold is
+    judged by update_applied_twice, on whether both apply one gradient (update.applied)."""
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    return {i for i in ids if ids.count(i) > 1}
+
+
 def check_optimizer(ctx: Context) -> list[Finding]:
     """parameter_not_in_optimizer, frozen_parameter_in_optimizer, duplicate_parameter,
     weight_decay_on_norm_or_bias: the model's parameters against the optimizer's groups."""
@@ -54,11 +61,11 @@ def check_optimizer(ctx: Context) -> list[Finding]:
     frozen = [name_of.get(id(p), "?") for _, p in held if not p.requires_grad]
     if frozen:
         out.append(_frozen(ctx, frozen))
-    dup = sorted({name_of.get(i, "?") for i in ids if ids.count(i) > 1})
+    dup = sorted({name_of.get(i, "?") for opt in ctx.optimizers for i in _twice_in(opt)})
     if dup:
         out.append(Finding(
             "duplicate_parameter", "error", name_list(dup),
-            f"{len(dup)} tensor(s) appear more than once in the optimizer's groups: each step "
+            f"{len(dup)} tensor(s) appear more than once in one optimizer's groups: each step "
             "updates them twice (and their weight decay differs by group)",
             "give each tensor to one group only (tied weights: list the shared tensor once)",
         ))  # fmt: skip
