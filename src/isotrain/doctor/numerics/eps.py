@@ -24,13 +24,26 @@ __all__ = ["EPS_UNDERFLOW", "check_eps"]
 
 _GRADS = (0.0, 1e-4, 1e-3, 1.0)
 _LOW = (torch.float16, torch.bfloat16)
+_WRAPPED = ("optimizer", "_optimizer", "optim")  # where frameworks keep the optimizer they wrap
+
+
+def _inner(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer a framework's wrapper delegates to (Fabric's FabricAdamW subclasses AdamW
+    but its constructor takes the optimizer it wraps), else `opt`."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        held = (getattr(opt, name, None) for name in _WRAPPED)
+        inside = next((o for o in held if isinstance(o, torch.optim.Optimizer)), None)
+        if inside is None or inside is opt:
+            return opt
+        opt = inside
+    return opt
 
 
 def _probe(opt: torch.optim.Optimizer, settings: dict[str, Any], like: torch.Tensor) -> bool:
     """Whether two steps of a fresh `type(opt)` with `settings` stay finite on a tensor like
     `like` (NOTE [probe step]); raises what the optimizer's constructor or step raises."""
     p = torch.zeros(len(_GRADS), dtype=like.dtype, device=like.device, requires_grad=True)
-    build: Any = type(opt)  # a subclass: its constructor takes the params alone
+    build: Any = type(_inner(opt))  # a subclass: its constructor takes the params alone
     probe = build([{"params": [p], **settings}])
     for _ in range(2):
         p.grad = torch.tensor(_GRADS, device=like.device).to(like.dtype)
@@ -50,11 +63,14 @@ def _cause(settings: dict[str, Any], dtype: torch.dtype) -> str:
 
 
 def _groups(opt: torch.optim.Optimizer) -> list[tuple[int, dict[str, Any], torch.Tensor]]:
-    """(index, settings, one parameter) per param group and 16-bit dtype it holds."""
+    """(index, settings, one parameter) per param group and 16-bit dtype of the parameters it
+    steps (those that require grad: NOTE [probe step])."""
     out = []
     for i, group in enumerate(opt.param_groups):
         settings = {k: v for k, v in group.items() if k != "params"}
-        kinds = {(p.dtype, p.device): p for p in group["params"] if p.dtype in _LOW}
+        kinds = {
+            (p.dtype, p.device): p for p in group["params"] if p.dtype in _LOW and p.requires_grad
+        }
         out += [(i, settings, p) for p in kinds.values()]
     return out
 

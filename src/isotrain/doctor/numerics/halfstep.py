@@ -3,7 +3,8 @@
 A torch function mode records the loss functions that return a float16/bfloat16 value (each
 recomputed in float32 beside it) and whether the step makes float16 tensors with a graph;
 `torch.autograd.backward` is wrapped to measure, once, what float16 does to the gradient
-(NOTE [scaled twin]); `GradScaler.scale` is wrapped to leave a scaled loss alone.
+(NOTE [scaled twin]); `GradScaler.scale`, and a subclass's own, is wrapped to leave a scaled
+loss alone.
 """
 
 from __future__ import annotations
@@ -179,6 +180,14 @@ def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None
         setattr(owner, name, original)
 
 
+def _scalers(cls: type[torch.amp.GradScaler] = torch.amp.GradScaler) -> list[type]:
+    """GradScaler and each subclass with its own `scale` (FSDP's ShardedGradScaler never calls
+    GradScaler.scale), so a loss any of them scales is seen as scaled."""
+    own: list[type] = [cls] if "scale" in cls.__dict__ else []
+    subs: list[type[torch.amp.GradScaler]] = cls.__subclasses__()
+    return own + [c for sub in subs for c in _scalers(sub)]
+
+
 def half_step(ctx: Context) -> HalfStep:
     """The precision run (cached on `ctx`): one watched call of the step on the first batch."""
     if "half step" in ctx.cache:
@@ -188,7 +197,8 @@ def half_step(ctx: Context) -> HalfStep:
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_patched(torch.autograd, "backward", w.backward))
-            stack.enter_context(_patched(torch.amp.GradScaler, "scale", w.scaled))
+            for scaler in _scalers():
+                stack.enter_context(_patched(scaler, "scale", w.scaled))
             stack.enter_context(_Mode(w.seen))
             ctx.run_step(model, opt, ctx.batches[0])
     except Exception as e:  # the user's step failed: the checks that need it say so
