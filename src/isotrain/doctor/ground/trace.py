@@ -20,7 +20,7 @@ import torch
 from isotrain.doctor.ground.calls import CallWatch, call_site, watching_calls
 from isotrain.doctor.ground.context import CannotRun, Context
 
-__all__ = ["Fit", "StepTrace", "Trace", "graph_alive", "trace", "trace_ok"]
+__all__ = ["Fit", "StepTrace", "Trace", "graph_alive", "patched", "trace", "trace_ok"]
 
 # NOTE [reference gradient]
 # Before each backward of the user's step the doctor differentiates the loss the step just
@@ -149,7 +149,9 @@ def graph_alive(watch: CallWatch, *, collect: bool = False) -> tuple[int, list[s
 
 
 @contextlib.contextmanager
-def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+def patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
+    """`owner.name` replaced by `make(original)` inside the block, put back after it (a class's
+    own attribute: a subclass that does not define `name` is patched through its base)."""
     original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
     setattr(owner, name, make(original))
     try:
@@ -253,10 +255,10 @@ def trace(ctx: Context) -> Trace:
     handles = [o.register_step_pre_hook(t.pre_step) for o in ctx.optimizers]
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_patched(torch.autograd, "backward", t.backward))
-            stack.enter_context(_patched(torch.amp.GradScaler, "scale", t.scaled))
+            stack.enter_context(patched(torch.autograd, "backward", t.backward))
+            stack.enter_context(patched(torch.amp.GradScaler, "scale", t.scaled))
             for cls in _scheduler_classes():
-                stack.enter_context(_patched(cls, "step", t.scheduler_step))
+                stack.enter_context(patched(cls, "step", t.scheduler_step))
             for i in range(n):
                 steps.append(t.call(i))
     except Exception as e:  # the user's step failed: the checks that need it say so

@@ -10,7 +10,7 @@ loss alone.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from isotrain.doctor.ground.calls import LOSS_FUNCTIONS, call_site
 from isotrain.doctor.ground.context import CannotRun, Context, params_of
+from isotrain.doctor.ground.trace import patched
 
 __all__ = ["GradError", "HalfStep", "LossSeen", "half_step", "half_step_ok"]
 
@@ -170,16 +171,6 @@ def _compare(name: str, g: torch.Tensor, twin: torch.Tensor) -> GradError:
     return GradError(name, rel, int((nz & (g == 0)).sum()), int(nz.sum()))
 
 
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def _scalers(cls: type[torch.amp.GradScaler] = torch.amp.GradScaler) -> list[type]:
     """GradScaler and each subclass with its own `scale` (FSDP's ShardedGradScaler never calls
     GradScaler.scale), so a loss any of them scales is seen as scaled."""
@@ -196,9 +187,9 @@ def half_step(ctx: Context) -> HalfStep:
     w = _Watch(ctx, model)
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_patched(torch.autograd, "backward", w.backward))
+            stack.enter_context(patched(torch.autograd, "backward", w.backward))
             for scaler in _scalers():
-                stack.enter_context(_patched(scaler, "scale", w.scaled))
+                stack.enter_context(patched(scaler, "scale", w.scaled))
             stack.enter_context(_Mode(w.seen))
             ctx.run_step(model, opt, ctx.batches[0])
     except Exception as e:  # the user's step failed: the checks that need it say so

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 
 from isotrain.doctor.ground.calls import call_site
 from isotrain.doctor.ground.context import Context
-from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN
+from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, patched
 
 __all__ = ["Clip", "Discard", "Path", "Stale", "path"]
 
@@ -285,16 +285,6 @@ class _Watch:
         self.path.stale.append(Stale(self.call, where, a, b, residual, left))
 
 
-@contextlib.contextmanager
-def _patched(owner: Any, name: str, make: Callable[[Any], Any]) -> Iterator[None]:
-    original = owner.__dict__[name]
-    setattr(owner, name, make(original))
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
-
-
 def path(ctx: Context) -> Path:
     """The watched calls (cached on `ctx`): min(8, max(3, len(batches))) calls of the step."""
     if "update path" in ctx.cache:
@@ -313,19 +303,19 @@ def path(ctx: Context) -> Path:
     scaler = torch.amp.GradScaler
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(_patched(torch.autograd, "backward", w.backward))
-            stack.enter_context(_patched(torch.optim.Optimizer, "zero_grad", w.zero_grad))
-            stack.enter_context(_patched(torch.nn.Module, "zero_grad", w.zero_grad))
-            stack.enter_context(_patched(_clip_grad, "_clip_grads_with_norm_", w.clip_norm))
-            stack.enter_context(_patched(torch.nn.utils, "clip_grads_with_norm_", w.clip_norm))
+            stack.enter_context(patched(torch.autograd, "backward", w.backward))
+            stack.enter_context(patched(torch.optim.Optimizer, "zero_grad", w.zero_grad))
+            stack.enter_context(patched(torch.nn.Module, "zero_grad", w.zero_grad))
+            stack.enter_context(patched(_clip_grad, "_clip_grads_with_norm_", w.clip_norm))
+            stack.enter_context(patched(torch.nn.utils, "clip_grads_with_norm_", w.clip_norm))
             if (accelerate := sys.modules.get("accelerate")) is not None:
                 owner = accelerate.Accelerator
-                stack.enter_context(_patched(owner, "clip_grad_norm_", w.library_clip))
+                stack.enter_context(patched(owner, "clip_grad_norm_", w.library_clip))
             for where in (_clip_grad, torch.nn.utils):
-                stack.enter_context(_patched(where, "clip_grad_value_", w.clip_value))
-            stack.enter_context(_patched(scaler, "scale", w.scaled))
-            stack.enter_context(_patched(scaler, "unscale_", w.unscale))
-            stack.enter_context(_patched(scaler, "step", w.scaler_step))
+                stack.enter_context(patched(where, "clip_grad_value_", w.clip_value))
+            stack.enter_context(patched(scaler, "scale", w.scaled))
+            stack.enter_context(patched(scaler, "unscale_", w.unscale))
+            stack.enter_context(patched(scaler, "step", w.scaler_step))
             for i in range(n):
                 w.call = i
                 w.applied_now.clear()
