@@ -18,6 +18,7 @@ from tests.integration.zoo import GPT, ResNet
 
 from isotrain.contexts import StateAudit, eval_mode
 from isotrain.doctor import Diagnosis, Finding, _examine, examine
+from isotrain.doctor.ground.snapshot import Snapshot
 
 
 def _optimizer_state(opt: torch.optim.Optimizer) -> Any:
@@ -49,6 +50,24 @@ def test_examine_leaves_model_optimizer_rng_and_globals_bit_for_bit() -> None:
     assert _same(opt_before, _optimizer_state(opt))
     assert d.of("rng_leak") and d2.of("mode_leak")  # the leaks were there to contain
     assert model.blocks[0].drop.training is False and model.training is True
+
+
+def test_distributions_argument_checks_come_back_on_after_the_compile_checks() -> None:
+    # dynamo's first compile in a process turns torch.distributions' validate_args default off
+    # for good; the doctor's own compile checks must not leave it off for the user's steps.
+    Dist = torch.distributions.Distribution
+    was = Dist._validate_args
+    setup = zoo.lm_setup()
+    try:
+        Dist.set_default_validate_args(True)
+        snap = Snapshot(setup["model"], [setup["optimizer"]])
+        Dist.set_default_validate_args(False)  # what dynamo's first compile does
+        snap.restore()
+        assert Dist._validate_args is True
+        examine(**setup, checks=["graph_break"])
+        assert Dist._validate_args is True
+    finally:
+        Dist.set_default_validate_args(was)
 
 
 @pytest.mark.parametrize("name", ["nanogpt", "resnet"])

@@ -234,7 +234,7 @@ def _ppo_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch
     advantage, an entropy bonus; the value loss on its own."""
     s, a, ret = batch
     logits, value = model(s)
-    dist = torch.distributions.Categorical(logits=logits)
+    dist = torch.distributions.Categorical(logits=logits, validate_args=False)
     logp = dist.log_prob(a)
     ratio = torch.exp(logp - logp.detach() + 0.1)
     adv = (ret - value).detach()

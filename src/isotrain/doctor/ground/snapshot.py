@@ -28,6 +28,9 @@ __all__ = ["Snapshot", "bound_schedulers"]
 # every parameter and its `.grad`, every buffer, every training / requires_grad flag and the
 # global flags (a `StateAudit` with check_params), the plain values modules hold (a call
 # counter), each optimizer's state and param_groups, and the LR schedulers bound to them.
+# Also torch.distributions' default for validate_args: dynamo's first compile in a process turns
+# it off for good, so a compile check would otherwise silence the argument checks (and their
+# host syncs) of every step the user runs after it.
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -110,6 +113,7 @@ class Snapshot:
         if schedulers is None:
             schedulers = bound_schedulers(optimizers)
         self.schedulers = [(s, copy.deepcopy(s.state_dict())) for s in schedulers]
+        self.validate_args = torch.distributions.Distribution._validate_args
 
     @property
     def scheduler_objects(self) -> list[Any]:
@@ -125,3 +129,4 @@ class Snapshot:
             o.restore()
         for s, saved in self.schedulers:
             s.load_state_dict(copy.deepcopy(saved))
+        torch.distributions.Distribution.set_default_validate_args(self.validate_args)
