@@ -60,6 +60,7 @@ WITHOUT: dict[str, list[str]] = {
     "recipe without ReLU squared (GELU)": ["--model.activation", "gelu"],
     "recipe without zero-init": ["--model.no-zero-init"],
     "recipe with a tied head (zero-init projections only)": ["--model.tie-head"],
+    "recipe without zero-init, with a tied head": ["--model.no-zero-init", "--model.tie-head"],
     "recipe at lr 0.002": ["--optim.lr", "0.002"],
     "recipe at lr 0.008": ["--optim.lr", "0.008"],
 }
