@@ -83,9 +83,7 @@ def test_ablation_table_compares_each_change_at_equal_steps(mods, tmp_path) -> N
     argv = ab.flags(ab.VARIANTS[muon], 400, 7, tmp_path, quick=False)
     assert argv[:4] == ["--preset", "tiny", "--optim.name", "muon"]
     assert _flags(argv[4:])["--steps"] == "400"
-    speedrun = ab.flags(
-        ab.VARIANTS["all of the above (--preset speedrun)"], 400, 7, tmp_path, False
-    )
+    speedrun = ab.flags(ab.VARIANTS[ab.RECIPE], 400, 7, tmp_path, False)
     assert speedrun[:2] == ["--preset", "speedrun"] and "tiny" not in speedrun
     runs = [
         {"variant": first, "steps": 400, "val": 2.08, "cpu_s": 190.0},
