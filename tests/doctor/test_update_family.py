@@ -5,6 +5,7 @@ GANs, accumulation over calls) gets no alarm."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -294,3 +295,198 @@ def test_the_advantage_check_names_the_parameters_it_moved() -> None:
     assert "ends with 3 parameter(s) different (critic.0.bias, critic.0.weight, critic." in (
         f.evidence
     ), f
+
+
+# -- an optimizer its loss does not reach: unused_parameter's error ---------------------------
+
+
+def _line_of(fn: Any, text: str) -> str:
+    lines, start = inspect.getsourcelines(fn)
+    return f"{start + next(i for i, s in enumerate(lines) if text in s)}"
+
+
+def test_a_generator_stepped_on_a_detached_fake_is_named_at_its_step() -> None:
+    d = examine(**zoo_update.setup_gan_generator_detached(False), checks="all")
+    assert [(f.kind, f.severity) for f in d.findings if f.severity != "info"] == [
+        ("unused_parameter", "error")
+    ], d  # not gradient_discarded: D's gradient from g_loss was handed to og.step()
+    (f,) = d.of("unused_parameter")
+    line = _line_of(zoo_update.setup_gan_generator_detached, "og.step()")
+    assert f.where == f"tests/doctor/zoo_update.py:{line}", f
+    assert f.evidence.startswith(
+        "optimizer 0 (Adam over G.0.weight, G.0.bias, G.2.weight (+1 more): 4 parameter(s) with "
+        "requires_grad) ran step() 4 time(s) in 4 call(s) of your step"
+    ), f
+    assert "sent gradient to 4 parameter(s) of optimizer 1 (D.0.weight" in f.evidence, f
+    assert "fake.detach()" in f.fix and "torch.no_grad()" in f.fix, f
+
+
+def test_a_loss_given_requires_grad_by_hand_reaches_no_parameter() -> None:
+    (f,) = examine(
+        **zoo_update.setup_gan_discriminator_no_grad(False), checks=["unused_parameter"]
+    ).findings
+    assert f.severity == "error" and "reached no parameter at all" in f.evidence, f
+
+
+def _one_network_no_grad(fixed: bool) -> dict[str, Any]:
+    """arcface-pytorch#56's form on one network: the forward of an evaluation helper under
+    torch.no_grad(), `loss.requires_grad = True` to silence backward."""
+
+    @torch.no_grad()
+    def predict(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad(set_to_none=False)  # zeroed grads, not None: still unchanged by backward
+        loss = F.cross_entropy(model(x) if fixed else predict(model, x), y)
+        if not fixed:
+            loss.requires_grad = True
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # rewrites the zeros in place
+        opt.step()
+        return loss.detach()
+
+    return mlp_setup(step=step)
+
+
+def test_one_optimizer_that_no_gradient_reaches_is_an_error() -> None:
+    d = examine(**_one_network_no_grad(False), checks=["unused_parameter"])
+    assert severities(d, "unused_parameter") == ["error"], d
+    assert d.findings[0].evidence.startswith("optimizer 0 (AdamW over fc1.weight"), d
+    no_alarm(examined_untouched(_one_network_no_grad(True), checks="all"))
+
+
+def _ddpg(rebuilt: bool) -> dict[str, Any]:
+    """DDPG's actor update through the critic; the bug hands the critic actor(s).data."""
+    torch.manual_seed(0)
+    actor, critic = nn.Linear(8, 2), nn.Linear(10, 1)
+    model = nn.ModuleDict({"actor": actor, "critic": critic})
+    opts = [torch.optim.Adam(actor.parameters(), 1e-3), torch.optim.Adam(critic.parameters(), 1e-3)]
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        actor_opt, critic_opt = opts
+        s, a, r = batch
+        critic_opt.zero_grad()
+        critic_loss = F.mse_loss(critic(torch.cat([s, a], 1)).squeeze(1), r)
+        critic_loss.backward()
+        critic_opt.step()
+        action = actor(s).data if rebuilt else actor(s)  # BUG (rebuilt): a tensor with no graph
+        actor_opt.zero_grad()
+        actor_loss = -critic(torch.cat([s, action], 1)).mean()
+        actor_loss.backward()
+        actor_opt.step()
+        return critic_loss.detach()
+
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g),
+                torch.randn(8, generator=g)) for _ in range(3)]  # fmt: skip
+    return dict(model=model, optimizer=opts, batches=batches, step=step, loss_falls=False)
+
+
+def test_an_action_rebuilt_from_data_starves_the_actor() -> None:
+    (f,) = examine(**_ddpg(True), checks=["unused_parameter"]).findings
+    assert f.severity == "error" and f.evidence.startswith("optimizer 0 (Adam over actor."), f
+    assert "sent gradient to 2 parameter(s) of optimizer 1 (critic." in f.evidence, f
+    no_alarm(examined_untouched(_ddpg(False), checks="all"))
+
+
+def _gan(g_step: Any) -> dict[str, Any]:
+    model = zoo_update.seeded(zoo_update.GAN)
+    opts = [torch.optim.Adam(model.G.parameters(), 2e-4), torch.optim.Adam(model.D.parameters())]
+    turns = [(x, y, i % 2 == 1) for i, (x, y) in enumerate(zoo_update.features(4))]
+    return dict(model=model, optimizer=opts, batches=turns, step=g_step, task="gan")
+
+
+def _bce(score: torch.Tensor, label: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(score, torch.full_like(score, label))
+
+
+def _frozen_d_step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """pytorch-CycleGAN-and-pix2pix's set_requires_grad(netD, False) for the generator's step:
+    D gets no gradient there, G does."""
+    og, od = opts
+    real = batch[0]
+    fake = model.G(torch.randn(len(real), 4))
+    model.D.requires_grad_(True)
+    od.zero_grad()
+    (_bce(model.D(real), 1.0) + _bce(model.D(fake.detach()), 0.0)).backward()
+    od.step()
+    model.D.requires_grad_(False)
+    og.zero_grad()
+    g_loss = _bce(model.D(fake), 1.0)
+    g_loss.backward()
+    og.step()
+    model.D.requires_grad_(True)
+    return g_loss.detach()
+
+
+def _idle_steps(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """The generator's backward on every second batch, its optimizer's step on every batch (a
+    step with nothing to apply on the others)."""
+    og, od = opts
+    real, _, generator_turn = batch
+    fake = model.G(torch.randn(len(real), 4))
+    od.zero_grad()
+    (_bce(model.D(real), 1.0) + _bce(model.D(fake.detach()), 0.0)).backward()
+    od.step()
+    og.zero_grad()
+    if generator_turn:
+        _bce(model.D(fake), 1.0).backward()
+    og.step()
+    return fake.detach().mean()
+
+
+def _hand_written_grads(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """G's gradient by torch.autograd.grad, written into .grad by hand, after D's backward."""
+    og, od = opts
+    real = batch[0]
+    fake = model.G(torch.randn(len(real), 4))
+    od.zero_grad()
+    (_bce(model.D(real), 1.0) + _bce(model.D(fake.detach()), 0.0)).backward()
+    od.step()
+    og.zero_grad()
+    grads = torch.autograd.grad(_bce(model.D(fake), 1.0), list(model.G.parameters()))
+    for p, g in zip(model.G.parameters(), grads, strict=True):
+        p.grad = g
+    og.step()
+    return fake.detach().mean()
+
+
+@pytest.mark.parametrize(
+    "step",
+    [_frozen_d_step, _idle_steps, _hand_written_grads],
+    ids=["frozen_discriminator", "idle_steps", "hand_written_grads"],
+)
+def test_gans_whose_generator_trains_get_no_alarm(step: Any) -> None:
+    no_alarm(examined_untouched(_gan(step), checks="all"))
+
+
+def test_a_partly_unused_model_stays_a_warning_named_by_its_parameters() -> None:
+    model = zoo_update.seeded(lambda: zoo_update.MLP(unused=True))
+    (f,) = examine(**mlp_setup(model=model, optimizer=torch.optim.AdamW(model.parameters())),
+                   checks=["unused_parameter"]).findings  # fmt: skip
+    assert (f.severity, f.where) == ("warning", "extra.weight, extra.bias"), f
+
+
+def _d_accumulating(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """The discriminator over two micro-batches, zero_grad inside their loop (the bug), then
+    the generator's step: no step ran between the first backward and that zero_grad."""
+    og, od = opts
+    real = batch[0]
+    fake = model.G(torch.randn(len(real), 4))
+    for r, f in zip(real.chunk(2), fake.detach().chunk(2), strict=True):
+        od.zero_grad()  # BUG: clears the first micro-batch's gradient
+        ((_bce(model.D(r), 1.0) + _bce(model.D(f), 0.0)) / 2).backward()
+    od.step()
+    og.zero_grad()
+    _bce(model.D(fake), 1.0).backward()
+    og.step()
+    return fake.detach().mean()
+
+
+def test_a_micro_batch_cleared_before_any_step_is_still_discarded_beside_a_gan() -> None:
+    (f,) = examine(**_gan(_d_accumulating), checks=["gradient_discarded"]).findings
+    assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
+    line = _line_of(_d_accumulating, "od.zero_grad()")
+    assert f.where == f"tests/doctor/test_update_family.py:{line}", f

@@ -4,6 +4,7 @@ are listed in update_reports.md."""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -600,6 +601,137 @@ def setup_bf16_adamw_language_model(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opt, batches=tokens(), step=step)
 
 
+# -- an optimizer its loss does not reach: unused_parameter's error -------------------------
+
+
+def _gan_setup(step: Any) -> dict[str, Any]:
+    model = seeded(GAN)
+    opts = [torch.optim.Adam(model.G.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+            torch.optim.Adam(model.D.parameters(), lr=2e-4, betas=(0.5, 0.999))]  # fmt: skip
+    return dict(model=model, optimizer=opts, batches=features(4), step=step, task="gan")
+
+
+def _bce(score: torch.Tensor, label: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(score, torch.full_like(score, label))
+
+
+def _d_step(model: nn.Module, od: torch.optim.Optimizer, real: Any, fake: Any) -> None:
+    od.zero_grad()
+    (_bce(model.D(real), 1.0) + _bce(model.D(fake.detach()), 0.0)).backward()
+    od.step()
+
+
+def setup_gan_generator_detached(fixed: bool) -> dict[str, Any]:
+    """https://github.com/nikhilsinghmus/image2reverb/issues/37 (confirmed a bug there): the
+    generator's step scores fake.detach(), so its adversarial loss never reaches G ("If you
+    detach [...], G cannot get gradients": pytorch-CycleGAN-and-pix2pix#332). Rebuilt with
+    the adversarial loss alone; there a second loss term still reached G."""
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        og, od = opts
+        real = batch[0]
+        fake = model.G(torch.randn(len(real), 4))
+        _d_step(model, od, real, fake)
+        og.zero_grad()
+        g_loss = _bce(model.D(fake if fixed else fake.detach()), 1.0)  # BUG (unfixed)
+        g_loss.backward()
+        og.step()
+        return g_loss.detach()
+
+    return _gan_setup(step)
+
+
+def setup_gan_discriminator_no_grad(fixed: bool) -> dict[str, Any]:
+    """https://github.com/clovaai/stargan-v2/issues/16 proposes the discriminator's forward
+    under torch.no_grad() in the generator's step; with the adversarial loss alone backward
+    then raises, and `loss.requires_grad = True`, as in
+    https://github.com/ronghuaiyang/arcface-pytorch/issues/56 ("the loss is not decline"),
+    silences it: the generator never trains."""
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        og, od = opts
+        real = batch[0]
+        fake = model.G(torch.randn(len(real), 4))
+        _d_step(model, od, real, fake)
+        og.zero_grad()
+        with contextlib.nullcontext() if fixed else torch.no_grad():  # BUG (unfixed)
+            score = model.D(fake)
+        g_loss = _bce(score, 1.0)
+        if not fixed:
+            g_loss.requires_grad = True  # hides backward's error, not the cut
+        g_loss.backward()
+        og.step()
+        return g_loss.detach()
+
+    return _gan_setup(step)
+
+
+def setup_wgan_generator_every_second_call(fixed: bool) -> dict[str, Any]:
+    """The discriminator steps at every call, the generator at every second (n_critic = 2,
+    as WGAN's critic iterations in https://github.com/caogang/wgan-gp): the generator's step
+    scores fake.detach()."""
+    calls = {"n": 0}
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        og, od = opts
+        real = batch[0]
+        fake = model.G(torch.randn(len(real), 4))
+        _d_step(model, od, real, fake)
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:  # the generator's step
+            og.zero_grad()
+            g_loss = _bce(model.D(fake if fixed else fake.detach()), 1.0)  # BUG (unfixed)
+            g_loss.backward()
+            og.step()
+        return fake.detach().mean()
+
+    return _gan_setup(step)
+
+
+class GaussianActorCritic(nn.Module):
+    """A Gaussian policy's mean in (0, 1) over 2 actions, and a state value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.actor = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.critic = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.sigmoid(self.actor(s)), self.critic(s).squeeze(-1)  # (B, 2), (B,)
+
+
+def setup_actor_mean_rebuilt(fixed: bool) -> dict[str, Any]:
+    """https://discuss.pytorch.org/t/actor-critic-with-multivariate-normal-network-weights-fail-to-update/74548:
+    the policy's mean is rebuilt from its values (.detach().numpy() into torch.FloatTensor)
+    before the distribution is built, so log_prob has no graph back to the actor; actor and
+    critic losses are summed, each network has its own optimizer."""
+    model = seeded(GaussianActorCritic)
+    opts = [torch.optim.Adam(model.actor.parameters(), lr=1e-3),
+            torch.optim.Adam(model.critic.parameters(), lr=1e-3)]  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=g), torch.rand(8, 2, generator=g),
+                torch.randn(8, generator=g)) for _ in range(3)]  # fmt: skip
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        actor_opt, critic_opt = opts
+        s, a, ret = batch
+        mean, value = model(s)
+        if not fixed:
+            mean = torch.tensor(mean.tolist())  # BUG: rebuilt from its values, no graph
+        dist = torch.distributions.Normal(mean, 0.5, validate_args=False)
+        delta = ret - value
+        actor_loss = -(dist.log_prob(a).sum(-1) * delta.detach()).mean()
+        critic_loss = delta.pow(2).mean()
+        actor_opt.zero_grad()
+        critic_opt.zero_grad()
+        (actor_loss + critic_loss).backward()
+        actor_opt.step()
+        critic_opt.step()
+        return critic_loss.detach()
+
+    return dict(model=model, optimizer=opts, batches=batches, step=step, loss_falls=False)
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
@@ -632,6 +764,10 @@ BUGS: list[tuple[str, Any, str]] = [
     ("update_lost_to_rounding", setup_bf16_adam_no_master, "warning"),
     ("update_lost_to_rounding", setup_aim_model_forced_bf16, "error"),
     ("update_lost_to_rounding", setup_full_bf16_stochastic_rounding, "error"),
+    ("unused_parameter", setup_gan_generator_detached, "error"),
+    ("unused_parameter", setup_gan_discriminator_no_grad, "error"),
+    ("unused_parameter", setup_wgan_generator_every_second_call, "error"),
+    ("unused_parameter", setup_actor_mean_rebuilt, "error"),
 ]
 
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES

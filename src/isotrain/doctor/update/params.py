@@ -2,7 +2,8 @@
 
 Read-only checks compare the model's parameters with the optimizers' groups (by identity);
 the probe step says which parameters a gradient reached, whether it was exactly zero, whether
-the update still saw it, and which parameters changed.
+the update still saw it, and which parameters changed; the watched calls of the update path
+say which optimizers stepped with no gradient on anything they train.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from isotrain.doctor.ground.context import STAT_NORMS, CannotRun, Context, Probe
 from isotrain.doctor.ground.finding import Finding, Severity
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.probe import probe, probe_ok
+from isotrain.doctor.update.path import Starved, path
 from isotrain.doctor.update.rule import LOW, rule
 
 __all__ = ["LEARNING", "OPTIMIZER", "check_learning", "check_optimizer", "name_list"]
@@ -107,20 +109,51 @@ def _frozen(ctx: Context, frozen: list[str]) -> Finding:
 
 
 def check_learning(ctx: Context) -> list[Finding]:
-    """unused_parameter and params_unchanged, from the probe step."""
+    """unused_parameter and params_unchanged, from the probe step; unused_parameter is an
+    error where an optimizer's every step found no gradient on what it trains (update.path)."""
     p = probe_ok(ctx)
     params = params_of(ctx.model)
     held = {id(t) for _, t in _held(ctx)}
-    out = []
-    unused = [n for n, t in params.items() if t.requires_grad and n not in p.got_grad]
+    watched = path(ctx)
+    out = [_starved(s, watched.calls) for s in watched.starved]
+    named = {n for s in watched.starved for n in s.params}
+    # a parameter trained every k-th call (a GAN's generator) is reached in another call
+    used = p.got_grad | watched.reached | named
+    unused = [n for n, t in params.items() if t.requires_grad and n not in used]
     if unused:
+        # the watched calls follow what the optimizers hold; the probe's one call the rest
+        calls = watched.calls if all(id(params[n]) in held for n in unused) else 1
         out.append(Finding(
             "unused_parameter", "warning", name_list(unused),
-            f"{len(unused)} parameter(s) with requires_grad received no gradient in a step",
+            f"{len(unused)} parameter(s) with requires_grad received no gradient in "
+            f"{max(calls, 1)} call(s) of your step",
             "remove the unused module, or freeze it (requires_grad_(False)) if it is meant "
             "to stay; under DDP an unused parameter needs find_unused_parameters=True",
         ))  # fmt: skip
     return out + _unchanged(ctx, p, [n for n, t in params.items() if id(t) in held])
+
+
+def _starved(s: Starved, calls: int) -> Finding:
+    """unused_parameter at its error: an optimizer whose steps apply nothing."""
+    held = (
+        f"optimizer {s.index} ({s.name} over {name_list(s.params)}: {len(s.params)} "
+        "parameter(s) with requires_grad)"
+    )
+    to = "; ".join(
+        f"{len(v)} parameter(s) of optimizer {j} ({name_list(v)})" for j, v in s.reached.items()
+    )
+    seen = f"sent gradient to {to} and to none of these" if to else "reached no parameter at all"
+    return Finding(
+        "unused_parameter", "error", s.where,
+        f"{held} ran step() {s.steps} time(s) in {calls} call(s) of your step, and no backward "
+        "since its previous step gave any of them a gradient (.grad None or unchanged at each "
+        f"step): it applied nothing, so they never train. The backward before its step (at "
+        f"{s.backward_at}) {seen}: the loss it backwarded does not reach them",
+        "find what cuts the path between these parameters and that loss, and remove it: a "
+        ".detach() (a GAN's generator loss needs D(fake), not D(fake.detach())), a forward "
+        "under torch.no_grad(), or a tensor rebuilt from .data, .item(), .tolist() or "
+        "torch.tensor(...); loss.requires_grad_(True) only hides the same cut",
+    )  # fmt: skip
 
 
 def _unchanged(ctx: Context, p: Probe, held: list[str]) -> list[Finding]:

@@ -6,9 +6,17 @@ A parameter an optimizer holds is *pending* from the moment a backward accumulat
 .grad until an optimizer.step() (or GradScaler.step) that holds it runs: its gradient is then
 *applied*. Pending state carries across calls (accumulation over calls), so the invariants
 hold whatever the step's shape:
-- a zero_grad that clears a pending gradient while no parameter has moved since that backward
-  (SAM's perturbation and LBFGS's line search move them: their gradients were read) throws a
-  micro-batch away; it is reported when a later backward's gradient is then applied;
+- a zero_grad that clears a pending gradient while no optimizer.step() has run and no parameter
+  has moved since that backward (SAM's perturbation and LBFGS's line search move them: their
+  gradients were read) throws a micro-batch away; it is reported when a later backward's
+  gradient is then applied. A backward followed by a step was handed to that step, even one
+  that moved nothing because the gradient reached none of its parameters (a GAN's generator
+  step on D(fake.detach())): that is a starved step, not a discard;
+- an optimizer is *starved* when none of its steps in the watched calls finds a gradient on a
+  parameter it trains (no backward reached one since its last step, no .grad written by hand;
+  what zero_grad, a clip or unscale_ write is no gradient), though a backward ran before one
+  of them (since its last step or its own zero_grad): it applies nothing, the loss backwarded
+  for it does not reach its parameters (a step with no backward before it is not judged);
 - a clip acts on the applied gradient only over pending gradients, on tensors, after unscale_;
 - the gradient step() receives is fitted as a * (what backward added since the last step) +
   b * (the gradient the last step applied): b = a when that gradient was never cleared
@@ -27,10 +35,10 @@ from typing import Any
 import torch
 
 from isotrain.doctor.ground.calls import call_site
-from isotrain.doctor.ground.context import Context
+from isotrain.doctor.ground.context import Context, params_of
 from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, patched
 
-__all__ = ["Clip", "Discard", "Path", "Stale", "path"]
+__all__ = ["Clip", "Discard", "Path", "Stale", "Starved", "path"]
 
 _clip_grad = torch.nn.utils.clip_grad
 
@@ -69,6 +77,30 @@ class Stale:
     left: float  # |b * applied then| / |received|
 
 
+@dataclass(frozen=True)
+class Starved:
+    """An optimizer whose every watched step found no gradient on any parameter it trains."""
+
+    index: int  # in examine's optimizers
+    name: str  # its class
+    where: str  # its first step after a backward
+    params: list[str]  # the parameters with requires_grad it holds
+    steps: int
+    backward_at: str  # the last backward before that step
+    reached: dict[int, list[str]]  # optimizer index -> its parameters that backward reached
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One optimizer.step() of a watched call, for the starved rule."""
+
+    where: str
+    fed: bool  # a parameter it trains got a gradient since its last step (backward, by hand)
+    after_backward: bool  # a backward ran since its last step or its own zero_grad
+    backward_at: str
+    reached: frozenset[int]  # what that last backward reached
+
+
 @dataclass
 class Path:
     """What the watched calls did on the update path."""
@@ -77,6 +109,8 @@ class Path:
     clips: list[Clip] = field(default_factory=list)
     discards: list[Discard] = field(default_factory=list)  # followed by an applied gradient
     stale: list[Stale] = field(default_factory=list)
+    starved: list[Starved] = field(default_factory=list)
+    reached: set[str] = field(default_factory=set)  # held parameters any backward reached
     closure: bool = False
     error: str | None = None
 
@@ -89,6 +123,11 @@ def _dot(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
     return float(sum((x.double() * y.double()).sum() for x, y in zip(xs, ys, strict=True)))
 
 
+def _grad_state(p: torch.Tensor) -> tuple[int, int] | None:
+    """Which .grad a parameter holds and its version: a write to it changes this."""
+    return None if p.grad is None else (id(p.grad), p.grad._version)
+
+
 class _Watch:
     """The hooks and patches of one watched run; they write into `path`."""
 
@@ -99,9 +138,23 @@ class _Watch:
         self.owner = {id(p): o for o in ctx.optimizers for g in o.param_groups for p in g["params"]}
         self.params = {id(p): p for o in ctx.optimizers for g in o.param_groups
                        for p in g["params"]}  # fmt: skip
-        self.pending: dict[int, tuple[int, int]] = {}  # id(param) -> (backward no., moved)
+        self.pending: dict[int, tuple[int, int, int]] = {}  # id(param) -> (backward, moved, steps)
         self.applied_now: set[int] = set()  # applied by a step in this call, not pending since
         self.backwards = 0
+        self.steps = 0  # optimizer steps so far: a gradient pending across one was handed to it
+        self.index = {id(o): i for i, o in enumerate(ctx.optimizers)}
+        self.trains = [[id(p) for g in o.param_groups for p in g["params"] if p.requires_grad]
+                       for o in ctx.optimizers]  # fmt: skip
+        self.trained_by: dict[int, list[int]] = {}  # id(param) -> the optimizers training it
+        for i, pids in enumerate(self.trains):
+            for pid in dict.fromkeys(pids):
+                self.trained_by.setdefault(pid, []).append(i)
+        self.fed: set[int] = set()  # optimizers a gradient reached since their last step
+        self.window: dict[int, int] = {}  # optimizer -> backwards at its last step or zero_grad
+        self.last_backward: tuple[str, set[int]] = ("", set())  # its line, what it reached
+        self.stepped: dict[int, list[_Step]] = {}
+        self.reached: set[int] = set()  # every held parameter a backward reached
+        self.grad_was = {pid: _grad_state(p) for pid, p in self.params.items()}  # at last step
         self.scale: float | None = None  # a scaled loss's scale, until the step applies it
         self.unscaled: set[int] = set()  # optimizers unscaled since their last step
         self.added: dict[int, torch.Tensor] = {}  # incoming gradients since the last step
@@ -125,31 +178,47 @@ class _Watch:
 
     def accumulated(self, p: torch.Tensor) -> None:
         pid = id(p)
-        self.pending[pid] = (self.backwards, self.moved())
+        self.pending[pid] = (self.backwards, self.moved(), self.steps)
         self.applied_now.discard(pid)
+        self.fed.update(self.trained_by.get(pid, ()))
+        self.last_backward[1].add(pid)
+        self.reached.add(pid)
 
     def backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(*args: Any, **kwargs: Any) -> Any:
             self.backwards += 1
+            self.last_backward = (call_site()[0], set())
             return original(*args, **kwargs)
 
         return patched
 
+    def rewriting(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`original(...)`: what it writes into a .grad (zero_grad, a clip, unscale_) is no
+        gradient an optimizer is fed (NOTE [pending gradient])."""
+        states = {pid: _grad_state(p) for pid, p in self.params.items()}
+        out = original(*args, **kwargs)
+        for pid, p in self.params.items():
+            if (state := _grad_state(p)) != states[pid]:
+                self.grad_was[pid] = state
+        return out
+
     # -- zero_grad -----------------------------------------------------------------------
     def zero_grad(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            if id(obj) in self.index:
+                self.window[self.index[id(obj)]] = self.backwards
             held = {pid: self.params[pid].grad for pid in self.pending}
             seen = {pid: (id(g), g._version) for pid, g in held.items() if g is not None}
-            out = original(obj, *args, **kwargs)
+            out = self.rewriting(original, obj, *args, **kwargs)
             now, thrown = self.moved(), False
             cleared = [
                 pid for pid, (gid, version) in seen.items()
                 if (g := self.params[pid].grad) is None or (id(g), g._version) != (gid, version)
             ]  # fmt: skip
             for pid in cleared:
-                backward, moved = self.pending.pop(pid)
+                backward, moved, steps = self.pending.pop(pid)
                 self.added.pop(pid, None)
-                if moved == now:
+                if moved == now and steps == self.steps:
                     self.thrown.setdefault(pid, set()).add(backward)
                     thrown = True
             if thrown:
@@ -173,7 +242,7 @@ class _Watch:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             if not self.clipping:
                 self.clipped(parameters, max_norm)
-            return original(parameters, max_norm, *args, **kwargs)
+            return self.rewriting(original, parameters, max_norm, *args, **kwargs)
 
         return patched
 
@@ -196,7 +265,7 @@ class _Watch:
         def patched(parameters: Any, clip_value: Any, *args: Any, **kwargs: Any) -> Any:
             parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             self.clipped(parameters, clip_value)
-            return original(parameters, clip_value, *args, **kwargs)
+            return self.rewriting(original, parameters, clip_value, *args, **kwargs)
 
         return patched
 
@@ -212,13 +281,14 @@ class _Watch:
     def unscale(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(scaler: Any, optimizer: Any) -> Any:
             self.unscaled.add(id(optimizer))
-            return original(scaler, optimizer)
+            return self.rewriting(original, scaler, optimizer)
 
         return patched
 
     def scaler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def patched(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
             out = original(scaler, optimizer, *args, **kwargs)
+            self.steps += 1
             self.applied(optimizer)  # a step skipped for inf/NaN still used up its gradient
             return out
 
@@ -229,6 +299,13 @@ class _Watch:
         rest = args[1:] if args and args[0] is opt else args
         if any(map(callable, rest)) or callable(kwargs.get("closure")):
             self.path.closure = True
+        self.steps += 1
+        i = self.index.get(id(opt))
+        if i is not None:  # a .grad written by hand since its last step (not by zero_grad)
+            written = [p for p in self.trains[i] if _grad_state(self.params[p]) != self.grad_was[p]]
+            self.reached.update(written)
+            if written:
+                self.fed.add(i)
         self.fit(opt)
         self.applied(opt)
 
@@ -257,11 +334,41 @@ class _Watch:
         self.thrown_at.clear()
 
     def post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
+        i = self.index.get(id(opt))
+        if i is not None and self.trains[i]:
+            line, reached = self.last_backward
+            after = self.backwards > self.window.get(i, 0)
+            step = _Step(call_site()[0], i in self.fed, after, line, frozenset(reached))
+            self.stepped.setdefault(i, []).append(step)
+            self.fed.discard(i)
+            self.window[i] = self.backwards
+            for pid in self.trains[i]:
+                self.grad_was[pid] = _grad_state(self.params[pid])
         for g in opt.param_groups:
             for p in g["params"]:
                 self.added.pop(id(p), None)
                 if p.grad is not None:
                     self.last[id(p)] = p.grad.detach().clone()
+
+    def starved(self) -> list[Starved]:
+        """The optimizers whose every step found no gradient on what they train, though a
+        backward ran before one of them (NOTE [pending gradient])."""
+        names = {id(p): n for n, p in params_of(self.ctx.model).items()}
+        out = []
+        for i, steps in self.stepped.items():
+            first = next((s for s in steps if s.after_backward), None)
+            if first is None or any(s.fed for s in steps):
+                continue
+            reached = {
+                j: [names.get(pid, "?") for pid in dict.fromkeys(pids) if pid in first.reached]
+                for j, pids in enumerate(self.trains)
+            }
+            reached = {j: v for j, v in reached.items() if v}
+            opt = self.ctx.optimizers[i]
+            params = [names.get(pid, "?") for pid in dict.fromkeys(self.trains[i])]
+            out.append(Starved(i, type(opt).__name__, first.where, params, len(steps),
+                               first.backward_at, reached))  # fmt: skip
+        return out
 
     def fit(self, opt: Any) -> None:
         """Fit the gradient step() receives (NOTE [pending gradient])."""
@@ -326,5 +433,7 @@ def path(ctx: Context) -> Path:
     finally:
         for h in handles:
             h.remove()
+    w.path.starved = w.starved()
+    w.path.reached = {n for n, p in params_of(ctx.model).items() if id(p) in w.reached}
     ctx.cache["update path"] = w.path
     return w.path
