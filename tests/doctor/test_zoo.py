@@ -12,6 +12,7 @@ import pytest
 import torch
 from tests.doctor import (
     zoo,
+    zoo_alignment,
     zoo_data,
     zoo_losses,
     zoo_model,
@@ -138,7 +139,7 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
 CASES += zoo_reports.CASES  # the bugs of public reports, each with its link
 CASES += [(k, partial(setup, False), partial(setup, True), sev) for k, setup, sev in zoo_data.CASES]
 CASES += zoo_losses.CASES + zoo_update.CASES + zoo_state.CASES + zoo_model.CASES  # newer families
-CASES += zoo_precision.CASES
+CASES += zoo_precision.CASES + zoo_alignment.CASES
 
 
 def _id(case: tuple[Any, ...]) -> str:

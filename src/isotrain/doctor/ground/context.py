@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from isotrain._shared import restore_rng
+from isotrain._shared import buffers_restored, capture_rng, restore_rng
 from isotrain._torch_private import ddp_reduction_pending, ddp_reset_reduction, tree_leaves
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.globals import MAX_DEPTH, MAX_OBJECTS, StepState
@@ -255,6 +255,22 @@ class Context:
             return call.main_input(), call.with_main
         except ValueError as e:
             raise CannotRun(str(e)) from e
+
+    def same_draws(
+        self, model: nn.Module, calls: Sequence[ModelCall], *, train: bool
+    ) -> list[torch.Tensor]:
+        """The model's main outputs (as float) for each call, every forward from the same RNG
+        draws (dropout masks match) and the buffers a forward writes put back; in eval mode
+        unless `train` (examine puts every flag back after the check)."""
+        if not train:
+            model.eval()
+        rng, out = capture_rng(), []
+        for call in calls:
+            restore_rng(rng)
+            # each from the same buffers: a forward may write them (power iteration)
+            with torch.no_grad(), buffers_restored([model]):
+                out.append(self.outputs(model, call).float())
+        return out
 
     def outputs(self, model: nn.Module, call: ModelCall) -> torch.Tensor:
         """The model's main output tensor (logits) for `call`: `.logits`, or its first floating

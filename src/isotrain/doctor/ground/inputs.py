@@ -19,7 +19,10 @@ from typing import Any, cast
 
 import torch
 
-__all__ = ["EpochStep", "Loader", "ModelCall", "Stop", "main_path", "rebuilt", "replaced"]
+__all__ = [
+    "EpochStep", "Loader", "ModelCall", "Stop", "describe", "main_path", "rebuilt", "replaced",
+    "swap_token",
+]  # fmt: skip
 
 Path = tuple[Any, ...]
 _TARGETS = ("labels", "label", "targets", "target", "y")
@@ -61,9 +64,42 @@ class ModelCall:
 
     def with_main(self, x: torch.Tensor) -> ModelCall:
         """The same call with its main input replaced by `x`."""
-        path = main_path(self.args, self.kwargs)
+        return self.with_at(main_path(self.args, self.kwargs), x)
+
+    def with_at(self, path: Path, x: torch.Tensor) -> ModelCall:
+        """The same call with the tensor at `path` (of `token_inputs`) replaced by `x`."""
         args, kwargs = replaced((self.args, self.kwargs), path, x)
         return ModelCall(args, kwargs, self.forward)
+
+    def token_inputs(self) -> list[tuple[Path, torch.Tensor]]:
+        """(path, ids) of each (batch, time) integer tensor the call passes, the main input
+        first, arguments named like targets (`labels=`) left out: what a model may read as
+        tokens (a decoder's input beside its encoder's)."""
+        main = main_path(self.args, self.kwargs) if self.args or self.kwargs else ()
+        found = [(p, t) for p, t in _leaves((self.args, self.kwargs))
+                 if t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool
+                 and not (p[0] == 1 and p[1] in _TARGETS)]  # fmt: skip
+        return sorted(found, key=lambda pt: pt[0] != main)
+
+
+def describe(path: Path) -> str:
+    """A `token_inputs` path as the user wrote the call: `decoder_input_ids`, `argument 2`."""
+    if not path:
+        return "the batch"
+    head = str(path[1]) if path[0] == 1 else f"argument {path[1] + 1}"
+    return head + "".join(f"[{k!r}]" for k in path[2:])
+
+
+def swap_token(ids: torch.Tensor, t: int) -> torch.Tensor | None:
+    """`ids` (batch, time) with position `t` changed in every row, to the batch's largest
+    token id or, where it is that already, its smallest (ids the model knows); None when
+    every token is the same."""
+    hi, lo = ids.max(), ids.min()
+    if bool(hi == lo):
+        return None
+    y = ids.clone()
+    y[:, t] = torch.where(ids[:, t] == hi, lo, hi)
+    return y
 
 
 def _leaves(obj: Any, path: Path = ()) -> Iterator[tuple[Path, Any]]:

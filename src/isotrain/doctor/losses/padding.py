@@ -83,7 +83,8 @@ def _run(rows: torch.Tensor, value: int) -> torch.Tensor:
 
 def _pad_value(ctx: Context, rows: torch.Tensor) -> tuple[int, str] | None:
     """The pad id and how it was found: the model config's pad_token_id where rows end in it,
-    else the value that ends most rows in runs of different lengths (padding to the longest)."""
+    else the value that ends most rows in runs of different lengths (padding to the longest)
+    and appears nowhere else in them (a token of the text, a space in characters, does)."""
     config = getattr(ctx.model, "config", None)
     pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
     if isinstance(pad, int):
@@ -97,7 +98,8 @@ def _pad_value(ctx: Context, rows: torch.Tensor) -> tuple[int, str] | None:
     runs = _run(rows, value)
     ending = runs > 0
     lengths = runs[ending].unique()
-    if int(ending.sum()) >= 2 and len(lengths) >= 2 and int(runs.max()) >= 2:
+    elsewhere = int((rows == value).sum()) - int(runs.sum())
+    if int(ending.sum()) >= 2 and len(lengths) >= 2 and int(runs.max()) >= 2 and not elsewhere:
         shown = ", ".join(map(str, runs.tolist()[:8]))
         return value, f"{value} fills the tail of {int(ending.sum())} rows (runs of {shown})"
     return None

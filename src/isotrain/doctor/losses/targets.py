@@ -1,4 +1,4 @@
-"""What the loss is given: targets against the inputs, and input and target shapes.
+"""What the loss is given: the calls a check reads, and input and target shapes.
 
 Each check reads the loss-function calls the trace's call watch saw in the first call of the
 user's step, with their real arguments (`LossCall`), and the batch those calls came from.
@@ -17,17 +17,7 @@ from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.trace import trace_ok
 
-__all__ = [
-    "LABELS_NOT_SHIFTED",
-    "LOSS_BROADCAST",
-    "at",
-    "check_labels",
-    "check_loss_broadcast",
-    "first_calls",
-    "token_ids",
-]
-
-_MIN_TARGETS = 8  # fewer targets than this say nothing about their alignment
+__all__ = ["LOSS_BROADCAST", "at", "check_loss_broadcast", "first_calls", "token_ids"]
 
 
 def first_calls(ctx: Context) -> list[LossCall]:
@@ -57,51 +47,6 @@ def token_ids(ctx: Context, batch: Any) -> torch.Tensor | None:
             return None
     ok = isinstance(ids, torch.Tensor) and ids.dim() == 2 and not ids.is_floating_point()
     return ids if ok and ids.shape[1] >= 2 else None
-
-
-def _agreement(target: torch.Tensor, ids: torch.Tensor, ignore: int) -> tuple[float, float, int]:
-    """(fraction of targets equal to the input at their position, fraction equal to the next
-    input, targets counted) for targets laid out over all T positions or the first T-1."""
-    B, T = ids.shape
-    if target.numel() == B * T:
-        t = target.reshape(B, T)
-        same, nxt, valid = t == ids, t[:, :-1] == ids[:, 1:], t != ignore
-        nvalid = valid[:, :-1]
-    elif target.numel() == B * (T - 1):
-        t = target.reshape(B, T - 1)
-        same, nxt, valid = t == ids[:, :-1], t == ids[:, 1:], t != ignore
-        nvalid = valid
-    else:
-        return 0.0, 0.0, 0
-    n = int(valid.sum())
-    if n < _MIN_TARGETS or int(nvalid.sum()) == 0:
-        return 0.0, 0.0, n
-    return float(same[valid].float().mean()), float(nxt[nvalid].float().mean()), n
-
-
-def check_labels(ctx: Context) -> list[Finding]:
-    """labels_not_shifted (task="lm"): a language model's targets equal its input tokens."""
-    if ctx.task != "lm":
-        raise CannotRun('needs task="lm" (targets are the next tokens of the input)')
-    ids = token_ids(ctx, ctx.batches[0])
-    calls = [c for c in first_calls(ctx) if c.target is not None]
-    if ids is None or not calls:
-        return []
-    out = []
-    for call in calls:
-        same, nxt, n = _agreement(call.target, ids, call.ignore_index)  # type: ignore[arg-type]
-        if same >= 0.9 and nxt <= 0.5:
-            out.append(Finding(
-                "labels_not_shifted", "error", call.where,
-                f"{at(call)}: {same:.0%} of its {n} targets equal the input token at the same "
-                f"position ({nxt:.0%} equal the next one): the model learns to copy its input "
-                "and the loss falls toward 0 without learning to predict",
-                "predict the next token: cross_entropy(logits[:, :-1].reshape(-1, V), "
-                "ids[:, 1:].reshape(-1)), or targets = ids[:, 1:] of a window of T+1 tokens; "
-                "Hugging Face *ForCausalLM models shift labels=input_ids themselves, a head that "
-                "does not (MBartForCausalLM) needs them shifted before the call",
-            ))  # fmt: skip
-    return out
 
 
 def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -137,18 +82,6 @@ def check_loss_broadcast(ctx: Context) -> list[Finding]:
             "a (N,) target, or target.view_as(pred) / target.unsqueeze(-1)",
         )  # fmt: skip
     return list(out.values())
-
-
-LABELS_NOT_SHIFTED = Check(
-    "labels_not_shifted",
-    (
-        Kind(
-            "labels_not_shifted",
-            "a language model's targets equal its input tokens at the same position",
-        ),
-    ),
-    check_labels,
-)
 
 
 LOSS_BROADCAST = Check(

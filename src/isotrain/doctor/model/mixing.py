@@ -7,16 +7,19 @@ or transpose bug mixes them); causal_leak changes token t and looks at positions
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from isotrain._shared import buffers_restored, capture_rng, restore_rng
+from isotrain._shared import buffers_restored
 from isotrain._torch_private import DispatchMode
 from isotrain.doctor.ground.context import BATCH_NORMS, CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
+from isotrain.doctor.ground.inputs import swap_token
 from isotrain.doctor.ground.kinds import Check, Kind
+from isotrain.doctor.ground.reading import AHEAD, UNALIGNED, last_read, token_inputs
 from isotrain.doctor.ground.watch import user_site
 
 __all__ = ["BATCH_MIXING", "CAUSAL_LEAK", "check_batch_mixing", "check_causal_leak"]
@@ -44,14 +47,7 @@ def _two_forwards(
     """The model's logits for `batch` and for the batch with its main input changed, with the
     same RNG draws for both (so dropout masks match)."""
     x, rebuild = ctx.main_input(batch)
-    if not train:
-        model.eval()  # examine puts every flag back after the check
-    rng = capture_rng()
-    with torch.no_grad():
-        with buffers_restored([model]):  # a forward that writes buffers (power iteration)
-            a = ctx.outputs(model, rebuild(x)).float()  # starts the second one from the same
-        restore_rng(rng)
-        b = ctx.outputs(model, rebuild(change(x))).float()
+    a, b = ctx.same_draws(model, [rebuild(x), rebuild(change(x))], train=train)
     return a, b
 
 
@@ -170,26 +166,39 @@ def _cross_sample_op(
     return mode.found
 
 
+def _decoder_input(ctx: Context) -> tuple[str, torch.Tensor, Any] | None:
+    """(name, ids, path) of the token input a seq2seq model predicts from, when its main
+    input is an encoder's (read ahead by design, or of another length than the output) and
+    another one lines up with the output's positions; None for a model with one token input
+    (its main input is the one to judge)."""
+    try:
+        inputs = token_inputs(ctx)
+    except CannotRun:
+        return None
+    if len(inputs) < 2 or last_read(ctx, inputs[0][2], inputs[0][1]) not in (AHEAD, UNALIGNED):
+        return None
+    return next((i for i in inputs[1:] if last_read(ctx, i[2], i[1]) in (0, 1, AHEAD)), None)
+
+
 def check_causal_leak(ctx: Context) -> list[Finding]:
-    """causal_leak (task="lm"): does changing token t change the logits before t?"""
+    """causal_leak (task="lm"): does changing token t change the logits before t? Judged on
+    the input the model predicts from: a decoder's, beside an encoder's read both ways."""
     if ctx.task != "lm":
         raise CannotRun('needs task="lm" (a language model whose position t sees tokens <= t)')
     batch = ctx.batches[0]
-    x, _ = ctx.main_input(batch)
+    x, rebuild = ctx.main_input(batch)
+    decoder = _decoder_input(ctx)
+    if decoder is not None:
+        x, call = decoder[1], ctx.call(batch)
+        rebuild = functools.partial(call.with_at, decoder[2])
     shaped = not x.is_floating_point() and x.dim() == 2 and x.shape[1] >= 3
     ctx.refuse(None if shaped else f"needs token ids of shape (batch, time>=3), got {x.shape}")
     t = x.shape[1] // 2
-    hi, lo = x.max(), x.min()
-    same = bool(hi == lo)
-    ctx.refuse("every token of the batch is the same: nothing to change" if same else None)
-
-    def change(ids: torch.Tensor) -> torch.Tensor:
-        y = ids.clone()
-        y[:, t] = torch.where(ids[:, t] == hi, lo, hi)
-        return y
-
+    changed = swap_token(x, t)
+    if changed is None:
+        raise CannotRun("every token of the batch is the same: nothing to change")
     model, _ = ctx.fresh()
-    a, b = _two_forwards(ctx, model, batch, change, train=False)
+    a, b = ctx.same_draws(model, [rebuild(x), rebuild(changed)], train=False)
     if a.dim() < 2 or a.shape[1] != x.shape[1]:
         raise CannotRun(f"the logits' shape {tuple(a.shape)} has no time axis like the input's")
     before = (a[:, :t] - b[:, :t]).abs().amax(dim=tuple(i for i in range(a.dim()) if i != 1))
@@ -197,9 +206,10 @@ def check_causal_leak(ctx: Context) -> list[Finding]:
     leaked = (before / scale > 1e-5).nonzero().flatten().tolist()
     if not leaked:
         return []
+    of = f" of {decoder[0]} (the decoder's input)" if decoder is not None else ""
     return [Finding(
         "causal_leak", "error", "model forward",
-        f"changing token {t} changed the logits at {len(leaked)} earlier position(s) "
+        f"changing token {t}{of} changed the logits at {len(leaked)} earlier position(s) "
         f"({', '.join(map(str, leaked[:5]))}{'...' if len(leaked) > 5 else ''}): the model "
         "sees the future, so its training loss lies",
         "mask with torch.tril (position i attends to j <= i): masked_fill(tril == 0, -inf), "
