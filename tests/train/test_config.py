@@ -72,7 +72,7 @@ PRESET_VALUES = {
         **{"model.n_layer": 4, "model.n_head": 4, "model.d_model": 128, "model.block_size": 128},
         **{"model.positions": "rotary", "model.qk_norm": True, "model.activation": "relu2"},
         **{"model.tie_head": True, "model.zero_init": False, "optim.name": "muon"},
-        **{"data.batch_size": 16, "optim.lr": 4e-3, "optim.warmup_steps": 50, "steps": 300},
+        **{"data.batch_size": 16, "optim.lr": 4e-3, "optim.warmup_steps": 50, "steps": 250},
     },
 }
 
