@@ -21,7 +21,7 @@ from isotrain.doctor import examine
 
 KINDS = [
     "gradient_discarded", "clip_misplaced", "stale_gradient", "advantage_not_detached",
-    "update_applied_twice", "update_lost_to_rounding",
+    "update_applied_twice", "update_lost_to_rounding", "loss_term_unused",
 ]  # fmt: skip
 EXTRAS = ("ema", "scheduler", "counter")
 
@@ -490,3 +490,172 @@ def test_a_micro_batch_cleared_before_any_step_is_still_discarded_beside_a_gan()
     assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
     line = _line_of(_d_accumulating, "od.zero_grad()")
     assert f.where == f"tests/doctor/test_update_family.py:{line}", f
+
+
+# -- a loss term that trains nothing while the rest of the loss trains: loss_term_unused ------
+
+
+def _alarms(d: Any) -> list[tuple[str, str]]:
+    return [(f.kind, f.severity) for f in d.findings if f.severity != "info"]
+
+
+def test_an_adversarial_term_cut_beside_an_l1_term_is_named_at_its_line() -> None:
+    make = zoo_update.setup_image2reverb_adversarial_cut
+    d = examine(**make(False), checks="all")
+    assert _alarms(d) == [("loss_term_unused", "error")], d  # G trains: no unused_parameter
+    (f,) = d.of("loss_term_unused")
+    at = f"tests/doctor/zoo_update.py:{_line_of(make, 'G_loss1 = F.mse_loss')}"
+    assert f.where == at and f.evidence.startswith(f"mse_loss at {at} is a term of the loss "), f
+    assert (
+        "its gradient reaches only D.0.weight, D.0.bias, D.2.weight (+1 more) (optimizer "
+        "1's), which optimizer 0's step at tests/doctor/zoo_update.py:"
+        f"{_line_of(make, 'g_optim.step()')} did not update, and which the zero_grad at "
+        f"tests/doctor/zoo_update.py:{_line_of(make, 'd_optim.zero_grad()')} cleared" in f.evidence
+    )
+    assert "trains nothing" in f.evidence and "(4 of 4 call(s) of your step)" in f.evidence, f
+    assert "that backward trained 4 parameter(s) through the rest of its loss (G.0.weight" in (
+        f.evidence
+    ), f
+    assert "D(fake), not D(fake.detach())" in f.fix, f
+
+
+def test_a_term_on_a_detached_prediction_has_no_graph_and_is_named() -> None:
+    make = zoo_update.setup_csa_cdgan_prediction_detached
+    d = examine(**make(False), checks="all")
+    assert _alarms(d) == [("loss_term_unused", "error")], d
+    (f,) = d.of("loss_term_unused")
+    assert f.where == f"tests/doctor/zoo_update.py:{_line_of(make, 'err_d_fake = l_bce')}", f
+    assert f.evidence.startswith("binary_cross_entropy at "), f
+    assert "but it has no autograd graph" in f.evidence and "trains nothing" in f.evidence, f
+    assert "(netg.0.weight, netg.0.bias, netg.2.weight (+1 more), optimizer 0's)" in f.evidence
+
+
+def _g_turn(cut: str, freeze: bool = False) -> Any:
+    """A GAN's two turns; the generator's loss is an adversarial term beside an L1 term (to the
+    real batch's first 8 features), the adversarial term cut by `cut` unless it is "none"."""
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        og, od = opts
+        real = batch[0]
+        fake = model.G(torch.randn(len(real), 4))
+        od.zero_grad()
+        (_bce(model.D(real), 1.0) + _bce(model.D(fake.detach()), 0.0)).backward()
+        od.step()
+        model.D.requires_grad_(not freeze)  # pytorch-CycleGAN-and-pix2pix's set_requires_grad
+        og.zero_grad()
+        if cut == "no_grad":
+            with torch.no_grad():
+                score = model.D(fake)
+        else:
+            score = model.D(fake.detach() if cut == "detach" else fake)
+        g_loss = _bce(score, 1.0) + 10 * F.l1_loss(fake, real)
+        g_loss.backward()
+        og.step()
+        model.D.requires_grad_(True)
+        return g_loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize(("cut", "freeze", "graph"), [
+    ("detach", True, False),  # D frozen as well: the cut term reaches no leaf at all
+    ("no_grad", False, False),
+])  # fmt: skip
+def test_other_cuts_of_the_adversarial_term_are_named(cut: str, freeze: bool, graph: bool) -> None:
+    d = examine(**_gan(_g_turn(cut, freeze)), checks="all")
+    assert _alarms(d) == [("loss_term_unused", "error")], d
+    (f,) = d.of("loss_term_unused")
+    # the helper's line, and the step's line it was called from
+    assert f.where == f"tests/doctor/test_update_family.py:{_line_of(_bce, 'return F.')}", f
+    called = f"(called from tests/doctor/test_update_family.py:{_line_of(_g_turn, 'g_loss = ')})"
+    assert called in f.evidence and ("has no autograd graph" in f.evidence) != graph, f
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["trainable_d", "frozen_d"])
+def test_an_adversarial_term_that_reaches_the_generator_gets_no_alarm(freeze: bool) -> None:
+    no_alarm(examined_untouched(_gan(_g_turn("none", freeze)), checks="all"))
+
+
+def test_a_single_cut_term_stays_unused_parameter_s_alone() -> None:
+    d = examine(**zoo_update.setup_gan_generator_detached(False), checks=["loss_term_unused"])
+    assert not d.findings, d  # the backward trained nothing: one cause, one finding
+
+
+class _EncoderHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(x))
+
+
+def _two_parts(step: Any) -> dict[str, Any]:
+    model = zoo_update.seeded(_EncoderHead)
+    opts = [torch.optim.AdamW(model.enc.parameters(), 1e-3),
+            torch.optim.AdamW(model.head.parameters(), 1e-3)]  # fmt: skip
+    return dict(model=model, optimizer=opts, batches=zoo_update.features(3), step=step)
+
+
+def _regularized(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """A term that regularizes the encoder only, both optimizers stepped after one backward,
+    and metrics that are never backwarded (under no_grad, and on detached tensors)."""
+    x, y = batch
+    for o in opts:
+        o.zero_grad()
+    h = model.enc(x)
+    logits = model.head(h)
+    loss = F.cross_entropy(logits, y) + 1e-3 * F.mse_loss(h, torch.zeros_like(h))
+    with torch.no_grad():
+        F.l1_loss(logits, torch.zeros_like(logits))
+    logged = F.mse_loss(logits.detach(), torch.zeros_like(logits))
+    loss.backward()
+    for o in opts:
+        o.step()
+    return logged
+
+
+def _pcgrad(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """Each task's gradient read by hand between zero_grads, their sum written into .grad."""
+    x, y = batch
+    params = list(model.parameters())
+    logits = model(x)
+    grads = []
+    for task in (F.cross_entropy(logits, y), F.mse_loss(logits, torch.zeros_like(logits))):
+        for o in opts:
+            o.zero_grad()
+        task.backward(retain_graph=True)
+        grads.append([p.grad.clone() for p in params])
+    for p, *gs in zip(params, *grads, strict=True):
+        p.grad = sum(gs)
+    for o in opts:
+        o.step()
+    return logits.detach().mean()
+
+
+def _fgsm(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+    """Adversarial training: a backward for the input's gradient, zero_grad, the loss on the
+    perturbed input."""
+    x, y = batch
+    x = x.clone().requires_grad_(True)
+    F.cross_entropy(model(x), y).backward()
+    x_adv = (x + 0.1 * x.grad.sign()).detach()
+    for o in opts:
+        o.zero_grad()
+    loss = F.cross_entropy(model(x_adv), y)
+    loss.backward()
+    for o in opts:
+        o.step()
+    return loss.detach()
+
+
+def test_loss_terms_that_train_what_a_step_updates_get_no_alarm() -> None:
+    no_alarm(examined_untouched(_two_parts(_regularized), checks="all"))
+
+
+@pytest.mark.parametrize("step", [_pcgrad, _fgsm], ids=_id)
+def test_a_gradient_read_by_hand_before_a_zero_grad_is_no_dead_term(step: Any) -> None:
+    # gradient_discarded names these (a zero_grad before any step): not this kind's to judge
+    kinds = [k for k in KINDS if k != "gradient_discarded"] + ["unused_parameter"]
+    no_alarm(examined_untouched(_two_parts(step), checks=kinds))

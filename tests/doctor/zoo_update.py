@@ -732,6 +732,115 @@ def setup_actor_mean_rebuilt(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opts, batches=batches, step=step, loss_falls=False)
 
 
+# -- a loss term that trains nothing while the rest of the loss trains: loss_term_unused ------
+
+
+class ConditionalGAN(nn.Module):
+    """A generator from an image's 8 features to an 8-bin spectrum, and a discriminator of
+    (spectrum, image features) pairs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.D = nn.Sequential(nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.G(x)
+
+    def score(self, spec: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.D(torch.cat([spec, x], 1))  # (B, 1)
+
+
+def _pairs(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 8, generator=g), torch.rand(8, 8, generator=g)) for _ in range(4)]
+
+
+def setup_image2reverb_adversarial_cut(fixed: bool) -> dict[str, Any]:
+    """https://github.com/nikhilsinghmus/image2reverb/issues/37 as reported (confirmed a bug
+    there): the generator's step scores `self.d(fake_spec.detach(), f)`, so
+    `G_loss1 = mse(d_fake2, ones)` reaches only D, whose next zero_grad clears it, and G
+    trains on `G_loss2`, the L1 term, alone. Rebuilt without the image encoder, in
+    Lightning's order of the optimizers (the generator's turn, then the discriminator's)."""
+    model = seeded(ConditionalGAN)
+    opts = [torch.optim.Adam(model.G.parameters(), lr=2e-4, betas=(0.0, 0.99)),
+            torch.optim.Adam(model.D.parameters(), lr=4e-4, betas=(0.0, 0.99))]  # fmt: skip
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        g_optim, d_optim = opts
+        x, spec = batch
+        fake_spec = model.G(x)
+        g_optim.zero_grad()
+        d_fake2 = model.score(fake_spec if fixed else fake_spec.detach(), x)  # BUG (unfixed)
+        G_loss1 = F.mse_loss(d_fake2, torch.ones(d_fake2.shape))
+        G_loss2 = F.l1_loss(fake_spec, spec)
+        G_loss = G_loss1 + 100 * G_loss2
+        G_loss.backward()
+        g_optim.step()
+        d_optim.zero_grad()
+        d_fake = model.score(fake_spec.detach(), x)
+        d_real = model.score(spec, x)
+        D_loss = F.mse_loss(d_real, torch.ones(d_real.shape)) + F.mse_loss(
+            d_fake, torch.zeros(d_fake.shape)
+        )
+        D_loss.backward()
+        d_optim.step()
+        return G_loss.detach()
+
+    return dict(model=model, optimizer=opts, batches=_pairs(3), step=step, task="gan")
+
+
+class ChangeNet(nn.Module):
+    """A change-map generator over a pair of 4-feature images, and a discriminator of maps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.netg = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Sigmoid())
+        self.netd = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1),
+                                  nn.Sigmoid())  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.netg(x)
+
+
+def setup_csa_cdgan_prediction_detached(fixed: bool) -> dict[str, Any]:
+    """https://github.com/wangle53/CSA-CDGAN/issues/5 ("you detach the 'pred_fake', so the
+    loss cannot update anything"): `pred_fake = netd(fake).detach()` feeds the adversarial
+    term of the generator's loss, which then has no graph at all; the L1 term still trains
+    the generator. The twin scores netd(fake) against the real label."""
+    model = seeded(ChangeNet)
+    opts = [torch.optim.Adam(model.netg.parameters(), lr=2e-4, betas=(0.5, 0.999)),
+            torch.optim.Adam(model.netd.parameters(), lr=2e-4, betas=(0.5, 0.999))]  # fmt: skip
+    l_bce, l_con = nn.BCELoss(), nn.L1Loss()
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 8, generator=g), (torch.rand(8, 4, generator=g) > 0.5).float())
+               for _ in range(4)]  # fmt: skip
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        optimizer_g, optimizer_d = opts
+        x, gt = batch
+        real_label, fake_label = torch.ones(len(x)), torch.zeros(len(x))
+        fake = model.netg(x)
+        pred_real = model.netd(gt).squeeze(1)
+        pred_fake = model.netd(fake).squeeze(1)
+        if not fixed:
+            pred_fake = pred_fake.detach()  # BUG: the adversarial term loses its graph
+        err_d_fake = l_bce(pred_fake, real_label if fixed else fake_label)
+        err_g = l_con(fake, gt)
+        err_g_total = 1.0 * err_g + 0.1 * err_d_fake
+        pred_fake_ = model.netd(fake.detach()).squeeze(1)
+        err_d_total = (l_bce(pred_real, real_label) + l_bce(pred_fake_, fake_label)) * 0.5
+        optimizer_g.zero_grad()
+        err_g_total.backward(retain_graph=True)
+        optimizer_g.step()
+        optimizer_d.zero_grad()
+        err_d_total.backward()
+        optimizer_d.step()
+        return err_g_total.detach()
+
+    return dict(model=model, optimizer=opts, batches=batches, step=step, task="gan")
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
@@ -768,6 +877,8 @@ BUGS: list[tuple[str, Any, str]] = [
     ("unused_parameter", setup_gan_discriminator_no_grad, "error"),
     ("unused_parameter", setup_wgan_generator_every_second_call, "error"),
     ("unused_parameter", setup_actor_mean_rebuilt, "error"),
+    ("loss_term_unused", setup_image2reverb_adversarial_cut, "error"),
+    ("loss_term_unused", setup_csa_cdgan_prediction_detached, "error"),
 ]
 
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES
