@@ -659,3 +659,8 @@ def test_a_gradient_read_by_hand_before_a_zero_grad_is_no_dead_term(step: Any) -
     # gradient_discarded names these (a zero_grad before any step): not this kind's to judge
     kinds = [k for k in KINDS if k != "gradient_discarded"] + ["unused_parameter"]
     no_alarm(examined_untouched(_two_parts(step), checks=kinds))
+
+
+@pytest.mark.parametrize(("kind", "make"), zoo_update.MISSED, ids=_id)
+def test_a_missed_held_out_report_s_twin_is_clean_and_untouched(kind: str, make: Any) -> None:
+    no_alarm(examined_untouched(make(True), checks="all"))

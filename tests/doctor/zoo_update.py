@@ -841,6 +841,71 @@ def setup_csa_cdgan_prediction_detached(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=opts, batches=batches, step=step, task="gan")
 
 
+class SkipGanomaly(nn.Module):
+    """A skip-connected generator over 8-feature inputs, a discriminator that returns its score
+    and its features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.netg = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.features = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2))
+        self.classifier = nn.Sequential(nn.Linear(16, 1), nn.Sigmoid())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.netg(x)
+
+    def netd(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        feat = self.features(x)
+        return self.classifier(feat).view(-1), feat
+
+
+def _l2_loss(input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.mean(torch.pow((input - target), 2))  # skip-ganomaly's lib/loss.py
+
+
+def setup_skip_ganomaly_latent_detached(fixed: bool) -> dict[str, Any]:
+    """https://github.com/samet-akcay/skip-ganomaly/issues/5 (held out; rebuilt once after the
+    check was done): `err_g_lat`, the latent loss between the discriminator's features of the
+    fake and the real image, is computed in update_netd from netd(fake.detach()) and added to
+    the generator's loss, where it reaches no generator parameter (the code of commit c5f316e;
+    its twin computes the features of netd(fake) in the generator's step)."""
+    model = seeded(SkipGanomaly)
+    d_params = [*model.features.parameters(), *model.classifier.parameters()]
+    opts = [torch.optim.Adam(d_params, lr=2e-4, betas=(0.5, 0.999)),
+            torch.optim.Adam(model.netg.parameters(), lr=2e-4, betas=(0.5, 0.999))]  # fmt: skip
+    l_adv, l_con = nn.BCELoss(), nn.L1Loss()
+    w_adv, w_con, w_lat = 1.0, 50.0, 1.0
+
+    def step(model: nn.Module, opts: Any, batch: Any) -> torch.Tensor:
+        optimizer_d, optimizer_g = opts
+        x = batch[0]
+        real_label, fake_label = torch.ones(len(x)), torch.zeros(len(x))
+        # update_netd
+        optimizer_d.zero_grad()
+        pred_real, feat_real = model.netd(x)
+        err_d_real = l_adv(pred_real, real_label)
+        fake = model(x + 0.1 * torch.randn_like(x))
+        pred_fake, feat_fake = model.netd(fake.detach())
+        err_d_fake = l_adv(pred_fake, fake_label)
+        err_g_lat = w_lat * _l2_loss(feat_fake, feat_real)
+        err_d = err_d_real + err_d_fake + (0 if fixed else err_g_lat)
+        err_d.backward(retain_graph=True)
+        optimizer_d.step()
+        # update_netg
+        optimizer_g.zero_grad()
+        out_g, feat_g = model.netd(fake)
+        if fixed:
+            err_g_lat = w_lat * _l2_loss(feat_g, model.netd(x)[1].detach())
+        err_g_adv = w_adv * l_adv(out_g, real_label)
+        err_g_con = w_con * l_con(fake, x)
+        err_g = err_g_adv + err_g_con + err_g_lat
+        err_g.backward(retain_graph=True)
+        optimizer_g.step()
+        return err_g.detach()
+
+    return dict(model=model, optimizer=opts, batches=features(4), step=step, task="gan")
+
+
 HELD_OUT: list[tuple[str, Any, str]] = [
     ("clip_misplaced", setup_pixart_filter_clip, "error"),
     ("gradient_discarded", setup_alpaca_policy_zero_grad, "error"),
@@ -852,6 +917,10 @@ HELD_OUT: list[tuple[str, Any, str]] = [
     ("optimizer_eps_underflow", setup_onetrainer_float16_weights, "error"),
     ("update_lost_to_rounding", setup_bf16_adamw_language_model, "warning"),
 ]
+
+
+# held out and missed when first tested (update_reports.md): its twin stays clean
+MISSED: list[tuple[str, Any]] = [("loss_term_unused", setup_skip_ganomaly_latent_detached)]
 
 
 def _pair(make: Any) -> tuple[Any, Any]:
