@@ -661,6 +661,17 @@ def test_a_gradient_read_by_hand_before_a_zero_grad_is_no_dead_term(step: Any) -
     no_alarm(examined_untouched(_two_parts(step), checks=kinds))
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="held-out miss, kept as tested once: the latent term is a hand-written L2 loss, and "
+    "the same tensor trains D in D's own backward (a term is judged over every backward)",
+)
+@pytest.mark.parametrize(("kind", "make"), zoo_update.MISSED, ids=_id)
+def test_a_missed_held_out_report_is_named(kind: str, make: Any) -> None:
+    d = examine(**make(False), checks="all")
+    assert severities(d, kind) == ["error"], d
+
+
 @pytest.mark.parametrize(("kind", "make"), zoo_update.MISSED, ids=_id)
 def test_a_missed_held_out_report_s_twin_is_clean_and_untouched(kind: str, make: Any) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
