@@ -117,7 +117,7 @@ def test_a_per_epoch_scheduler_in_an_epoch_function_is_not_judged_per_call() -> 
 
 _MISSED = {
     "setup_srgan_steplr": "StepLR(50, 0.1) per step falls 1000x at step 150, after half of "
-    "the one epoch (261 steps) the doctor assumes without total_steps=",
+    "the one epoch (261 steps) the doctor assumes without total_steps=: information only",
     "setup_sampler_never_shuffles": "the epoch loop is out of the doctor's sight: named only "
     "as information",
 }

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from isotrain._torch_private import DispatchMode, tree_leaves
+from isotrain._torch_private import tree_leaves
+from isotrain.doctor.ground.dispatch import WatchMode
 from isotrain.doctor.ground.watch import DOCTOR_DIR, STDLIB_DIR, TORCH_DIR, short_path
 
 __all__ = [
@@ -212,7 +213,7 @@ def _loss_call(w: CallWatch, func: Any, args: Any, kwargs: dict[str, Any]) -> Lo
     )  # fmt: skip
 
 
-class _PrecisionMode(DispatchMode):
+class _PrecisionMode(WatchMode):
     """Matmul-class ops that escape an open autocast region on float32 inputs: NOTE [escapes]."""
 
     def __init__(self, watch: CallWatch) -> None:
@@ -225,10 +226,10 @@ class _PrecisionMode(DispatchMode):
         if not region:
             return func(*args, **kwargs)
         device, fp32 = _float32_device(args)
+        if getattr(func, "namespace", "aten") not in ("aten", "prim", "prims"):
+            return self._custom(func, args, kwargs, device, region, fp32=fp32)
         if not fp32:
             return func(*args, **kwargs)
-        if getattr(func, "namespace", "aten") not in ("aten", "prim", "prims"):
-            return self._custom(func, args, kwargs, device, region)
         packet, what = func.overloadpacket, None
         if packet in _INPLACE or (packet in _MATMUL and str(func).endswith(".out")):
             what = f"{func} (an in-place or out= form, which autocast does not cast)"
@@ -238,17 +239,18 @@ class _PrecisionMode(DispatchMode):
             self._note(what, region.get(device or "", next(iter(region.values()))))
         return func(*args, **kwargs)
 
-    def _custom(self, func: Any, args: Any, kwargs: Any, device: Any, region: Any) -> Any:
-        """A custom op, run as it runs without this mode: inside autocast (a dispatch mode
-        handler runs with autocast off, which would turn a composite op's inner ops float32)."""
+    def _custom(
+        self, func: Any, args: Any, kwargs: Any, device: Any, region: Any, *, fp32: bool
+    ) -> Any:
+        """A custom op, run as torch runs it (inside autocast: WatchMode); named when its
+        inputs are all float32 and its kernel runs no aten op the region could cast."""
         dtype = region.get(device)
-        cast = torch.autocast(device, dtype=dtype) if dtype else contextlib.nullcontext()
-        with _Inner() as inner, cast:
+        with _Inner() as inner:
             out = func(*args, **kwargs)
         outs = [
             t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()
         ]
-        if dtype is not None and not inner.ops and outs and outs[0].dtype == torch.float32:
+        if fp32 and dtype and not inner.ops and outs and outs[0].dtype == torch.float32:
             self._note(f"custom op {func.name()} (no rule in autocast, no aten ops inside: its "
                        "kernel got float32 inputs)", dtype, info=True)  # fmt: skip
         return out
@@ -264,7 +266,7 @@ _MOVES = {"detach", "alias", "view", "_unsafe_view", "as_strided", "t", "transpo
           "new_empty", "empty_strided"}  # fmt: skip
 
 
-class _Inner(DispatchMode):
+class _Inner(WatchMode):
     """Whether a custom op computes with aten ops of its own (a composite op autocast
     reaches), not only moves or views data around a kernel outside the dispatcher."""
 

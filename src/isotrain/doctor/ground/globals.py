@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,10 +23,10 @@ import torch
 
 from isotrain._torch_private import tensor_version
 
-__all__ = ["StepState", "cell_full"]
+__all__ = ["StepState", "cell_full", "step_functions"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
-_CONTAINERS = (dict, list, set)
+_CONTAINERS = (dict, list, set, deque)
 
 
 def _is_state(value: Any) -> bool:
@@ -114,6 +115,9 @@ def _restore(value: Any, saved: Any) -> None:
         items, inner = saved
         if isinstance(value, list):
             value[:] = items
+        elif isinstance(value, deque):
+            value.clear()
+            value.extend(items)
         elif items is not None and not isinstance(value, tuple):  # a dict or a set
             value.clear()
             value.update(items)
@@ -130,7 +134,7 @@ def _restore(value: Any, saved: Any) -> None:
             _restore(old, inner)
 
 
-def _functions(*fns: Any) -> list[types.FunctionType]:
+def step_functions(*fns: Any) -> list[types.FunctionType]:
     """The functions `fns`, the functions their closures hold, and the functions of their own
     module they reach by global name, transitively."""
     seen: dict[int, types.FunctionType] = {}
@@ -187,7 +191,7 @@ class StepState:
         for o in objects:  # handed to the step, itself for good: its contents put back
             if _kept(o, self.skip):
                 self.slots.append((None, "handed", o, saver.save(o, "handed")))
-        for f in _functions(*[f for f in fns if f is not None]):
+        for f in step_functions(*[f for f in fns if f is not None]):
             for name in f.__code__.co_names:
                 if name in f.__globals__ and _kept(f.__globals__[name], self.skip):
                     self._keep(f.__globals__, name, saver, name)

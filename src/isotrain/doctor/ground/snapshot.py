@@ -26,12 +26,15 @@ __all__ = ["Snapshot", "bound_schedulers"]
 # that calls a scheduler or model it closes over changes the real objects anyway. So checks
 # work on the real objects, and this snapshot puts back, in place and with identity kept:
 # every parameter and its `.grad`, every buffer, every training / requires_grad flag and the
-# global flags (a `StateAudit` with check_params), the plain values modules hold (a call
-# counter), each optimizer's state and param_groups, and the LR schedulers bound to them.
+# global flags (a `StateAudit` with check_params), what the model's modules hold as attributes
+# (a call counter, an output kept as `self.last_out`: rebound, and one the step added removed;
+# DDP's, FSDP's and dynamo's wrappers keep their own bookkeeping), each optimizer's state and
+# param_groups, and the LR schedulers bound to them.
 # Also torch.distributions' default for validate_args: dynamo's first compile in a process turns
 # it off for good, so a compile check would otherwise silence the argument checks (and their
 # host syncs) of every step the user runs after it.
-_PLAIN = (bool, int, float, str, type(None))
+_WRAPPERS = ("torch.nn.parallel", "torch.distributed", "torch._dynamo")  # their own bookkeeping
+_GONE = object()
 
 
 def bound_schedulers(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
@@ -105,9 +108,10 @@ class Snapshot:
         self.audit = StateAudit(model, check_rng=False, warn=False, check_params=True)
         with self.audit:
             pass  # records everything StateAudit covers; restore() puts it back
-        self.plain = [
-            (m, {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN) and k != "training"})
+        self.attrs = [
+            (m, {k: v for k, v in vars(m).items() if k != "training"})
             for m in model.modules()
+            if not type(m).__module__.startswith(_WRAPPERS)
         ]
         self.optimizers = [_OptimizerState(o) for o in optimizers]
         if schedulers is None:
@@ -123,8 +127,13 @@ class Snapshot:
     def restore(self) -> None:
         """Put everything back, in place (the same Parameter, buffer and state objects)."""
         self.audit.restore()
-        for m, values in self.plain:
-            m.__dict__.update(values)
+        for m, held in self.attrs:
+            now = vars(m)
+            for k in [k for k in now if k not in held and k != "training"]:
+                del now[k]  # set by the step since: `self.last_out = out`
+            for k, v in held.items():
+                if now.get(k, _GONE) is not v:
+                    now[k] = v
         for o in self.optimizers:
             o.restore()
         for s, saved in self.schedulers:

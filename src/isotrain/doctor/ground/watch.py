@@ -13,13 +13,15 @@ import math
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from isotrain._torch_private import DispatchMode, to_target_device, tree_leaves
+from isotrain._torch_private import to_target_device, tree_leaves
+from isotrain.doctor.ground.dispatch import WatchMode
 
 __all__ = [
     "DOCTOR_DIR", "STDLIB_DIR", "TORCH_DIR", "OpWatch", "Site", "bad_values", "doctors_own",
@@ -191,7 +193,7 @@ def value_ranges(args: Any) -> str:
     return "; ".join(out) or "no floating inputs"
 
 
-class _Mode(DispatchMode):
+class _Mode(WatchMode):
     """The dispatch mode behind `watching`."""
 
     def __init__(self, watch: OpWatch, numerics: bool) -> None:
@@ -348,11 +350,24 @@ def watching(*, numerics: bool = False) -> Iterator[OpWatch]:
 
 def _noting(method: Callable[..., Any], watch: OpWatch, what: str) -> Callable[..., Any]:
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not watch.paused:
+        if not watch.paused and not getattr(_inside, "depth", 0):
             watch.note_sync(what)
-        return method(self, *args, **kwargs)
+        return _once(method, self, *args, **kwargs)
 
     return wrapper
+
+
+# A torch function mode (WatchMode's) hands a patched method's call back to the patched
+# method: the call it wraps is noted once, at the outermost wrapper.
+_inside = threading.local()
+
+
+def _once(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    _inside.depth = getattr(_inside, "depth", 0) + 1
+    try:
+        return method(*args, **kwargs)
+    finally:
+        _inside.depth -= 1
 
 
 def _noting_host_copies(method: Callable[..., Any], watch: OpWatch) -> Callable[..., Any]:
@@ -360,11 +375,12 @@ def _noting_host_copies(method: Callable[..., Any], watch: OpWatch) -> Callable[
     line names the host (it syncs once the step runs on an accelerator)."""
 
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        target = None if watch.paused else to_target_device(args, kwargs)
+        inside = watch.paused or getattr(_inside, "depth", 0)
+        target = None if inside else to_target_device(args, kwargs)
         if target is not None and target.type == "cpu":
             site = user_site()
             if self.device.type != "cpu" or site.names_host:
                 watch.note_sync(TO_HOST, site)
-        return method(self, *args, **kwargs)
+        return _once(method, self, *args, **kwargs)
 
     return wrapper

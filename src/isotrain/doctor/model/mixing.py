@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from isotrain._shared import buffers_restored
-from isotrain._torch_private import DispatchMode
 from isotrain.doctor.ground.context import BATCH_NORMS, CannotRun, Context
+from isotrain.doctor.ground.dispatch import WatchMode
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.inputs import swap_token
 from isotrain.doctor.ground.kinds import Check, Kind
@@ -132,7 +132,7 @@ _ACROSS = {
 _INTEGER = (torch.int64, torch.int32, torch.int16, torch.int8)
 
 
-class _AcrossRows(DispatchMode):
+class _AcrossRows(WatchMode):
     """Finds the first op that reads or writes rows of a (rows, ...) tensor by an index."""
 
     def __init__(self, rows: int) -> None:

@@ -36,6 +36,7 @@ _Part = tuple[Any, float, float]  # a scheduler, its steps a unit (call, batch),
 COLLAPSE = 100.0
 MIN_RUN = 40  # calls: the shortest run a schedule is judged over when nothing says more
 MAX_RUN = 20_000  # calls stepped on at most (a longer run is judged over these)
+HORIZON = 10_000  # units stepped on to say when an undeclared run's schedule would collapse
 _CYCLIC = (
     torch.optim.lr_scheduler.CosineAnnealingWarmRestarts,
     torch.optim.lr_scheduler.CyclicLR,
@@ -73,7 +74,10 @@ def check_lr(ctx: Context) -> list[Finding]:
         return []
     run, said = _run_length(ctx, tr)
     how = ", ".join(f"{type(s).__name__}.step() x{n:g}" for s, n, _ in stepped) + " per call"
-    return _judged(ctx, tr, stepped, (run, None), f"calls of your step ({said})", how)
+    named = _judged(ctx, tr, stepped, (run, None), f"calls of your step ({said})", how)
+    if named or ctx.total_steps is not None:
+        return named
+    return _unjudged(ctx, tr, stepped, (run, said), "calls of your step", how)
 
 
 def _judged(
@@ -83,7 +87,7 @@ def _judged(
     units an epoch holds when schedulers also step once an epoch), spend the lr before half."""
     units, every = run
     cycles = any(isinstance(s, _CYCLIC) for s, _, _ in parts)  # restarts are their design
-    lrs = _stepped_on(ctx, parts, min(units, MAX_RUN), every)
+    lrs, _ = _stepped_on(ctx, parts, min(units, MAX_RUN), every)
     found = _collapse(lrs, units / 2, stays=cycles)
     if found is None:
         return []
@@ -124,11 +128,54 @@ def _over_epochs(ctx: Context, tr: Trace) -> list[Finding]:
         steps = [(s, e, 0.0) for s, _, e in parts]
         run = (math.ceil(batches / epoch), None)  # type: ignore[operator]
         unit = f"epochs ({said}, {epoch} batches an epoch)"
+    elif parts:  # once an epoch, over a run whose epochs are not known
+        how = ", ".join(_how(s, 0.0, e) for s, _, e in parts)
+        return _unjudged(ctx, tr, [(s, e, 0.0) for s, _, e in parts], None, "epochs", how)
     else:
         return []
     chosen = {id(s) for s, _, _ in steps}
     how = ", ".join(_how(s, b, e if judged else 0.0) for s, b, e in parts if id(s) in chosen)
-    return _judged(ctx, tr, steps, run, unit, how)
+    found = _judged(ctx, tr, steps, run, unit, how)
+    if found or judged or ctx.total_steps is not None:
+        return found
+    return _unjudged(ctx, tr, steps, (batches, said), "batches", how)
+
+
+# NOTE [a run of unknown length]
+# Without total_steps= the run is judged over what the doctor can assume: one epoch of the
+# user's DataLoader, at least MIN_RUN calls (under epoch=, a schedule stepped once an epoch
+# over nothing). A schedule that spends the lr later than that still spends it in any run
+# long enough: stepped on further (up to HORIZON units), the unit where it first falls below
+# 1/COLLAPSE of its peak is said as information, with the run length from which that is a
+# collapse, not as a warning: the same schedule is right for a run that short. A schedule
+# that ends there (OneCycleLR raises past its total_steps) bounds the run itself; restarts
+# (warm restarts, cyclic) are their design; neither is said.
+def _unjudged(
+    ctx: Context, tr: Trace, parts: list[_Part], judged: tuple[int, str] | None, unit: str,
+    how: str,
+) -> list[Finding]:  # fmt: skip
+    """lr_collapse's information for a run of unknown length (NOTE [a run of unknown length])."""
+    if any(isinstance(s, _CYCLIC) for s, _, _ in parts):
+        return []
+    lrs, ended = _stepped_on(ctx, parts, HORIZON, None, stop=True)
+    found = _collapse(lrs, len(lrs), stays=False)
+    if found is None or ended:
+        return []
+    if _stepped_on(ctx, parts, 2 * found[3] + 1, None)[1]:
+        return []  # it ends before any run is long enough for that to be a collapse
+    group, peak, low, at = found
+    over = (
+        f"later than half of the {judged[0]} {unit} judged ({judged[1].split(';')[0]})"
+        if judged else f"and your run's {unit} are not known"
+    )  # fmt: skip
+    return [Finding(
+        "lr_collapse", "info", _sched_line(tr),
+        f"not judged: the learning rate of param group {group} falls below 1/100 of its peak "
+        f"({peak:.3g} -> {low:.3g}) after {at} {unit} ({how}), {over}; in a run longer than "
+        f"{2 * at} {unit} that is a collapse: pass total_steps= (the run's optimizer steps)"
+        + (" and batches as your DataLoader (an epoch's length)" if unit == "epochs" else ""),
+        _FIX,
+    )]  # fmt: skip
 
 
 def _how(sched: Any, per_batch: float, per_epoch: float) -> str:
@@ -151,7 +198,7 @@ def _plateau_collapse(ctx: Context, tr: Trace, plateau: PlateauRun) -> list[Find
     """lr_collapse of a ReduceLROnPlateau your step steps (NOTE [plateau per call])."""
     run, said = _run_length(ctx, tr)
     found = _collapse(stepped_on(ctx, plateau, min(run, MAX_RUN)), run / 2, stays=False)
-    if found is None:
+    if found is None:  # (never said beyond the run: its cuts follow metrics not seen yet)
         return []
     group, peak, low, at = found
     return [Finding(
@@ -205,14 +252,17 @@ def _stepped(ctx: Context, run: Callable[..., Any]) -> list[_Part]:
 
 
 def _stepped_on(
-    ctx: Context, parts: list[_Part], units: int, every: int | None
-) -> list[list[float]]:
+    ctx: Context, parts: list[_Part], units: int, every: int | None, *, stop: bool = False
+) -> tuple[list[list[float]], bool]:
     """Each group's lr at the start and after each of `units` units, each scheduler stepped
     its steps a unit and its steps an epoch after every `every` units (the optimizer itself
-    untouched), put back after."""
+    untouched), put back after; with `stop`, only until some group's lr falls below
+    1/COLLAPSE of its peak. True with them when a scheduler ended (raised past its end)."""
     groups = [g for o in ctx.optimizers for g in o.param_groups]
     lrs = [[float(g["lr"]) for g in groups]]
+    peaks = list(lrs[0])
     owed = [0.0] * len(parts)
+    ended = False
     try:
         with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()"
             warnings.simplefilter("ignore")
@@ -224,11 +274,14 @@ def _stepped_on(
                         s.step()
                         owed[i] -= 1
                 lrs.append([float(g["lr"]) for g in groups])
+                peaks = [max(p, lr) for p, lr in zip(peaks, lrs[-1], strict=True)]
+                if stop and any(lr * COLLAPSE < p for p, lr in zip(peaks, lrs[-1], strict=True)):
+                    break
     except (ValueError, IndexError, ZeroDivisionError):  # stepped past its end (OneCycleLR)
-        pass
+        ended = True
     finally:
         ctx.reset()
-    return lrs
+    return lrs, ended
 
 
 def _collapse(

@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from isotrain._torch_private import DispatchMode
 from isotrain.doctor.ground.context import Context
+from isotrain.doctor.ground.dispatch import WatchMode
 from isotrain.doctor.ground.watch import user_site
 
 __all__ = ["writers"]
 
 
-class _Writes(DispatchMode):
+class _Writes(WatchMode):
     """The first user line that writes each watched parameter's storage, optimizer.step()
     (and its hooks) aside."""
 
