@@ -675,3 +675,74 @@ def test_a_missed_held_out_report_is_named(kind: str, make: Any) -> None:
 @pytest.mark.parametrize(("kind", "make"), zoo_update.MISSED, ids=_id)
 def test_a_missed_held_out_report_s_twin_is_clean_and_untouched(kind: str, make: Any) -> None:
     no_alarm(examined_untouched(make(True), checks="all"))
+
+
+# -- a zero_grad that throws away gradients the step used otherwise ---------------------------
+def _micro_batches(bug: bool, *, clip: bool = False, scaler: bool = False) -> dict[str, Any]:
+    """zero_grad inside the micro-batch loop, as in RAE#67, behind a clip or a GradScaler."""
+    amp = torch.amp.GradScaler("cpu", init_scale=2.0**4, enabled=scaler)
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+        x, y = batch
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+            if bug:
+                opt.zero_grad()  # BUG: clears the micro-batch before
+            amp.scale(F.cross_entropy(model(xs), ys) / 2).backward()
+        amp.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # it clips every step
+        amp.step(opt)
+        amp.update()
+        return torch.zeros(())
+
+    return mlp_setup(step=step)
+
+
+@pytest.mark.parametrize("behind", ["clip", "scaler", "both"])
+def test_a_discarded_micro_batch_behind_a_clip_or_a_scaler_is_named(behind: str) -> None:
+    kw = dict(clip=behind in ("clip", "both"), scaler=behind in ("scaler", "both"))
+    (f,) = examine(**_micro_batches(True, **kw), checks=["gradient_discarded"]).findings
+    assert f.severity == "error" and "1 earlier backward pass(es)" in f.evidence, f
+    no_alarm(examined_untouched(_micro_batches(False, **kw), checks="all"))
+
+
+def _fgsm(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """FGSM adversarial training: the first backward is for the input's gradient, the
+    parameters' gradients it leaves are cleared on purpose before the training backward."""
+    x, y = batch
+    x = x.clone().requires_grad_(True)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    x_adv = (x + 0.1 * x.grad.sign()).detach()
+    opt.zero_grad()
+    loss = 0.5 * (F.cross_entropy(model(x.detach()), y) + F.cross_entropy(model(x_adv), y))
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _gradient_surgery(model: nn.Module, opt: torch.optim.Optimizer, batch: Any) -> torch.Tensor:
+    """Two tasks' gradients read one at a time (PCGrad's shape), the first kept, cleared,
+    and added back by hand onto the second's, projected where they conflict."""
+    x, y = batch
+    out = model(x)
+    opt.zero_grad()
+    F.cross_entropy(out, y).backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    opt.zero_grad()
+    out.pow(2).mean().backward()
+    dot = sum((a * p.grad).sum() for a, p in zip(first, model.parameters(), strict=True))
+    norm = sum(p.grad.pow(2).sum() for p in model.parameters())
+    with torch.no_grad():
+        for a, p in zip(first, model.parameters(), strict=True):
+            p.grad += a - torch.clamp(dot, max=0.0) / norm * p.grad  # sync-free projection
+    opt.step()
+    return out.detach().sum()
+
+
+@pytest.mark.parametrize("step", [_fgsm, _gradient_surgery], ids=lambda s: s.__name__)
+def test_a_cleared_gradient_the_step_used_otherwise_is_not_discarded(step: Any) -> None:
+    d = examined_untouched(mlp_setup(step=step), checks="all")
+    no_alarm(d)
+    assert d.of("gradient_discarded") == [], d

@@ -20,7 +20,16 @@ import torch
 from isotrain.doctor.ground.calls import CallWatch, call_site, watching_calls
 from isotrain.doctor.ground.context import CannotRun, Context
 
-__all__ = ["Fit", "StepTrace", "Trace", "graph_alive", "patched", "trace", "trace_ok"]
+__all__ = [
+    "Fit",
+    "StepTrace",
+    "Trace",
+    "graph_alive",
+    "nodes_below",
+    "patched",
+    "trace",
+    "trace_ok",
+]
 
 # NOTE [reference gradient]
 # Before each backward of the user's step the doctor differentiates the loss the step just
@@ -139,13 +148,20 @@ def graph_alive(watch: CallWatch, *, collect: bool = False) -> tuple[int, list[s
             continue
         roots.append(t.grad_fn)
         lines.append(line)
+    return len(nodes_below(roots)), lines
+
+
+def nodes_below(roots: list[Any]) -> dict[int, Any]:
+    """Every autograd node reachable from the nodes `roots` (None ones skipped), by id: held in
+    the dict until counted, so ids stay unique."""
     seen: dict[int, Any] = {}
-    while roots:
-        node = roots.pop()
-        if node is not None and id(node) not in seen:
-            seen[id(node)] = node  # held until counted: ids stay unique
-            roots.extend(n for n, _ in node.next_functions)
-    return len(seen), lines
+    todo = [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if id(node) not in seen:
+            seen[id(node)] = node
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+    return seen
 
 
 @contextlib.contextmanager

@@ -375,7 +375,7 @@ def _noting_host_copies(method: Callable[..., Any], watch: OpWatch) -> Callable[
     line names the host (it syncs once the step runs on an accelerator)."""
 
     def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        inside = watch.paused or getattr(_inside, "depth", 0)
+        inside = watch.paused or getattr(_inside, "depth", 0) > 0
         target = None if inside else to_target_device(args, kwargs)
         if target is not None and target.type == "cpu":
             site = user_site()

@@ -28,7 +28,7 @@ from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.globals import cell_full, step_functions
 from isotrain.doctor.ground.kinds import Check, Kind
-from isotrain.doctor.ground.trace import Trace, trace
+from isotrain.doctor.ground.trace import Trace, nodes_below, trace
 
 __all__ = ["GRAPH_RETAINED", "check_graph_retained"]
 
@@ -149,13 +149,7 @@ def _count(ctx: Context, watch: CallWatch, seen: _Seen) -> int:
         if id(t) in watch.graphs:
             lines.append(watch.graphs[id(t)][1])
     seen.held, seen.lines, seen.on_module = held, lines, walk.on_module
-    nodes: dict[int, Any] = {}
-    while roots:
-        node = roots.pop()
-        if node is not None and id(node) not in nodes:
-            nodes[id(node)] = node  # held until counted: ids stay unique
-            roots.extend(n for n, _ in node.next_functions)
-    return len(nodes)
+    return len(nodes_below(roots))
 
 
 # NOTE [held state]

@@ -36,7 +36,7 @@ import torch
 
 from isotrain.doctor.ground.calls import call_site
 from isotrain.doctor.ground.context import Context, params_of
-from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, patched
+from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, nodes_below, patched
 
 __all__ = ["Clip", "Discard", "Path", "Stale", "Starved", "path"]
 
@@ -141,6 +141,7 @@ class _Watch:
         self.pending: dict[int, tuple[int, int, int]] = {}  # id(param) -> (backward, moved, steps)
         self.applied_now: set[int] = set()  # applied by a step in this call, not pending since
         self.backwards = 0
+        self.for_inputs: set[int] = set()  # backwards that also reach a leaf no optimizer holds
         self.steps = 0  # optimizer steps so far: a gradient pending across one was handed to it
         self.index = {id(o): i for i, o in enumerate(ctx.optimizers)}
         self.trains = [[id(p) for g in o.param_groups for p in g["params"] if p.requires_grad]
@@ -188,6 +189,12 @@ class _Watch:
         def patched(*args: Any, **kwargs: Any) -> Any:
             self.backwards += 1
             self.last_backward = (call_site()[0], set())
+            roots = kwargs.get("tensors", args[0] if args else ())
+            roots = [roots] if isinstance(roots, torch.Tensor) else list(roots)
+            leaves = [getattr(n, "variable", None) for n in nodes_below(
+                [getattr(t, "grad_fn", None) for t in roots]).values()]  # fmt: skip
+            if any(v is not None and id(v) not in self.params for v in leaves):
+                self.for_inputs.add(self.backwards)  # an input's gradient (FGSM, saliency)
             return original(*args, **kwargs)
 
         return patched
@@ -218,7 +225,7 @@ class _Watch:
             for pid in cleared:
                 backward, moved, steps = self.pending.pop(pid)
                 self.added.pop(pid, None)
-                if moved == now and steps == self.steps:
+                if moved == now and steps == self.steps and backward not in self.for_inputs:
                     self.thrown.setdefault(pid, set()).add(backward)
                     thrown = True
             if thrown:
@@ -322,9 +329,10 @@ class _Watch:
             self.scale = None
 
     def follow_up(self, used: list[int]) -> None:
-        """A step applies pending gradients after a zero_grad threw earlier ones away."""
+        """A step applies pending gradients after a zero_grad threw earlier ones away, and only
+        what the backwards after it added (a gradient combined by hand read the thrown ones)."""
         thrown = [pid for pid in used if pid in self.thrown]
-        if not thrown:
+        if not thrown or not self.as_added(thrown):
             return
         backwards = len({n for pid in thrown for n in self.thrown[pid]})
         call, where = self.thrown_at[0]
@@ -332,6 +340,20 @@ class _Watch:
         for pid in thrown:
             del self.thrown[pid]
         self.thrown_at.clear()
+
+    def as_added(self, pids: list[int]) -> bool:
+        """Whether the parameters' .grads point where the backwards since their last step
+        added (a clip or unscale_ only scales them; a gradient combined by hand with the thrown
+        ones does not), or it cannot be told (no gradient seen arrive)."""
+        got, new = [], []
+        for pid in pids:
+            grad, added = self.params[pid].grad, self.added.get(pid)
+            if grad is not None and added is not None:
+                got.append(grad.detach())
+                new.append(added)
+        if not got or _norm2(got) == 0 or _norm2(new) == 0:
+            return True
+        return _dot(got, new) >= 0.999 * math.sqrt(_norm2(got) * _norm2(new))
 
     def post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         i = self.index.get(id(opt))

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from isotrain.doctor.ground.calls import LOSS_FUNCTIONS, call_site
 from isotrain.doctor.ground.context import Context, params_of
-from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, patched
+from isotrain.doctor.ground.trace import TRACE_MAX, TRACE_MIN, nodes_below, patched
 from isotrain.doctor.ground.watch import DOCTOR_DIR, STDLIB_DIR, TORCH_DIR, short_path
 
 __all__ = ["Backward", "Reach", "Term", "Use", "reach"]
@@ -118,18 +118,6 @@ def _tensors(args: Any, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
             yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
-def _below(roots: list[Any]) -> dict[int, Any]:
-    """Every autograd node reachable from `roots`, by id (held until counted)."""
-    seen: dict[int, Any] = {}
-    todo = [r for r in roots if r is not None]
-    while todo:
-        node = todo.pop()
-        if id(node) not in seen:
-            seen[id(node)] = node
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-    return seen
-
-
 class _Watch(TorchFunctionMode):
     """The loss calls of the watched calls, and the hooks that follow their gradients."""
 
@@ -202,7 +190,7 @@ class _Watch(TorchFunctionMode):
         b = Backward(call_site()[0], len(self.out.steps), inputs is None and not self.in_step)
         self.out.backwards.append(b)
         index = len(self.out.backwards) - 1
-        nodes = _below([r.grad_fn for r in roots if isinstance(r, torch.Tensor)])
+        nodes = nodes_below([r.grad_fn for r in roots if isinstance(r, torch.Tensor)])
         leaves = [r for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is None]
         leaves += [n.variable for n in nodes.values() if hasattr(n, "variable")]
         dead = {t for v in leaves if id(v) in self.constants for t in self.constants[id(v)][1]}
@@ -218,7 +206,7 @@ class _Watch(TorchFunctionMode):
         """The held parameters below `node`, and whether nothing else receives its gradient."""
         held: set[int] = set()
         judged = True
-        for n in _below([node]).values():
+        for n in nodes_below([node]).values():
             if hasattr(n, "variable"):
                 pid = id(n.variable)
                 if pid in self.held:
