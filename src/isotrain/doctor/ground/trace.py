@@ -10,7 +10,6 @@ counted. NOTE [reference gradient] says how the gradient is judged.
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,11 +134,16 @@ class _Grads:
         self.fit = Fit(a, b, (max(res, 0.0) / aa) ** 0.5, (bb / rr) ** 0.5)
 
 
-def graph_alive(watch: CallWatch, *, collect: bool = False) -> tuple[int, list[str]]:
+def graph_alive(watch: CallWatch) -> tuple[int, list[str]]:
     """Autograd nodes reachable from the tensors the step made that are still alive, and the
-    lines that made them; `collect` first frees what only a reference cycle keeps."""
-    if collect:
-        gc.collect()
+    lines that made them."""
+    roots, lines = alive_roots(watch)
+    return len(nodes_below(roots)), lines
+
+
+def alive_roots(watch: CallWatch) -> tuple[list[Any], list[str]]:
+    """The grad_fn of each tensor the call watch saw made that is still alive with a graph,
+    and the line that made it (the dead ones forgotten)."""
     roots, lines = [], []
     for key, (ref, line) in list(watch.graphs.items()):
         t = ref()
@@ -148,7 +152,7 @@ def graph_alive(watch: CallWatch, *, collect: bool = False) -> tuple[int, list[s
             continue
         roots.append(t.grad_fn)
         lines.append(line)
-    return len(nodes_below(roots)), lines
+    return roots, lines
 
 
 def nodes_below(roots: list[Any]) -> dict[int, Any]:

@@ -28,7 +28,7 @@ from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
 from isotrain.doctor.ground.globals import cell_full, step_functions
 from isotrain.doctor.ground.kinds import Check, Kind
-from isotrain.doctor.ground.trace import Trace, nodes_below, trace
+from isotrain.doctor.ground.trace import Trace, alive_roots, nodes_below, trace
 
 __all__ = ["GRAPH_RETAINED", "check_graph_retained"]
 
@@ -132,15 +132,7 @@ def _counted(ctx: Context) -> _Seen:
 def _count(ctx: Context, watch: CallWatch, seen: _Seen) -> int:
     """Autograd nodes reachable from the tensors the call watch saw made that are still
     alive and from those the step's state holds; `seen` gets where they are held."""
-    roots: list[Any] = []
-    lines = []
-    for key, (ref, line) in list(watch.graphs.items()):
-        t = ref()
-        if t is None or t.grad_fn is None:
-            del watch.graphs[key]
-            continue
-        roots.append(t.grad_fn)
-        lines.append(line)
+    roots, lines = alive_roots(watch)
     held: dict[str, int] = {}
     walk = _Walk()
     for path, t in _held(ctx, walk):
