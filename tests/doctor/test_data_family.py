@@ -89,3 +89,12 @@ def test_without_an_eval_loader_the_splits_are_not_checked() -> None:
         ("train_val_overlap", "info"),
     ], d
     assert d.findings[0].evidence.startswith("not checked: no eval DataLoader found"), d
+
+
+def test_the_missed_0_1_mask_over_255_is_named_since_by_the_losses_contract() -> None:
+    """pytorch#53959, missed by labels_truncated when held out; target_out_of_range was since
+    widened to hard 0/1 labels scaled below 1 (built from it, so no held-out evidence)."""
+    d = examine(**zoo_data.setup_onehot_npy(False), checks="all")
+    assert [(f.kind, f.severity) for f in d.findings if f.severity != "info"] == [
+        ("target_out_of_range", "error")
+    ], d

@@ -111,3 +111,14 @@ def test_a_bfloat16_softmax_before_cross_entropy_is_probabilities() -> None:
 
     d = examine(**zl._mlp_setup(bf16_softmax), checks=["softmax_before_loss"])
     assert [f.severity for f in d.of("softmax_before_loss")] == ["error"], d
+
+
+@pytest.mark.parametrize("form", ["smoothed", "heatmap", "negatives"])
+def test_binary_targets_off_0_and_1_on_purpose_are_not_scaled_labels(form: str) -> None:
+    no_alarm(examined_untouched(zl.setup_soft_binary_targets(form), checks="all"))
+
+
+def test_a_mask_scaled_by_to_tensor_names_the_scale() -> None:
+    (f,) = examine(**zl.setup_mask_over_255(False), checks=["target_out_of_range"]).findings
+    assert "only the values 0 and 0.003922 = 1/255" in f.evidence, f
+    assert f.fix.startswith("keep the mask out of the image transform"), f

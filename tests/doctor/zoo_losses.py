@@ -116,6 +116,48 @@ def setup_mask_255(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=segment)
 
 
+def setup_mask_over_255(fixed: bool) -> dict[str, Any]:
+    """https://github.com/pytorch/pytorch/issues/53959 and albumentations#148: a 0/1 mask stored
+    as uint8 goes through the image's ToTensor, which divides it by 255: the positive class's
+    target is 1/255."""
+    g = _gen(5)
+    batches = []
+    for _ in range(2):
+        image = torch.rand(4, 3, 8, 8, generator=g)
+        mask = (image[:, :1] > 0.5).to(torch.uint8)  # 0/1, as stored
+        batches.append((image, mask.float() if fixed else mask.float() / 255))  # BUG: ToTensor
+    model = seeded(Segmenter)
+    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=segment)
+
+
+def bce_probabilities(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return F.binary_cross_entropy(torch.sigmoid(model(x)), y)
+
+
+def setup_multilabel_over_255(fixed: bool) -> dict[str, Any]:
+    """Planted: multi-label 0/1 targets read as an 8-bit image (ToTensor, /255) into
+    binary_cross_entropy on sigmoid probabilities."""
+    batches = [(x, y if fixed else y / 255) for x, y in _binary_batches()]
+    model = seeded(lambda: Binary(sigmoid=False))
+    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=bce_probabilities)
+
+
+def setup_soft_binary_targets(form: str) -> dict[str, Any]:
+    """Binary targets that are not 0/1 on purpose: label smoothing (0.05 / 0.95), a Gaussian
+    heatmap, or every target 0 (a batch with no positives)."""
+    g = _gen(6)
+    batches = []
+    for _ in range(2):
+        x = torch.randn(32, 8, generator=g)
+        hard = torch.randint(0, 2, (32,), generator=g).float()
+        y = {"smoothed": hard * 0.9 + 0.05, "heatmap": torch.exp(-x[:, 0] ** 2),
+             "negatives": torch.zeros(32)}[form]  # fmt: skip
+        batches.append((x, y))
+    model = seeded(lambda: Binary(sigmoid=False))
+    return dict(model=model, optimizer=adamw(model), batches=batches, loss_fn=bce_logits)
+
+
 # -- padding_in_loss without an attention mask -------------------------------------------------
 class TokenLM(TinyLM):
     """TinyLM called as Hugging Face models are: model(input_ids=...)."""
@@ -250,6 +292,8 @@ BUGS: list[tuple[str, Any, str]] = [
     ("softmax_before_loss", setup_kl_probabilities, "error"),
     ("softmax_before_loss", setup_double_sigmoid, "error"),
     ("target_out_of_range", setup_mask_255, "error"),
+    ("target_out_of_range", setup_mask_over_255, "error"),
+    ("target_out_of_range", setup_multilabel_over_255, "error"),
     ("padding_in_loss", setup_padding_no_mask, "warning"),
     ("not_log_probabilities", setup_nll_logits, "error"),
     ("not_log_probabilities", setup_kl_log_target, "error"),

@@ -147,7 +147,7 @@ def _target_range(call: SeenCall) -> Finding | None:
         return None
     if call.name in ("binary_cross_entropy", "binary_cross_entropy_with_logits"):
         if y.low >= -_TOL and y.high <= 1 + _TOL:
-            return None
+            return _scaled_labels(call, y)
         return Finding(
             "target_out_of_range", "error", call.where,
             f"{call.name}'s targets lie in [{y.low:.3g}, {y.high:.3g}], outside [0, 1]: the "
@@ -172,6 +172,29 @@ def _target_range(call: SeenCall) -> Finding | None:
         "for class ids pass a long tensor of shape (N,); for soft labels normalize each row "
         "to sum to 1; several labels per sample (multi-hot) want "
         "F.binary_cross_entropy_with_logits",
+    )  # fmt: skip
+
+
+# NOTE [scaled hard labels]
+# A binary loss's hard labels are 0 and 1. Targets holding 0 and one other value, itself below
+# 1/2 (and at least _MIN_VALUES of them), are a 0/1 mask scaled on the way: ToTensor divides a
+# uint8 array by 255, so the positive class becomes 1/255 and the loss trains the model to
+# predict 0 everywhere. Label smoothing keeps its positive label above 1/2, and soft targets
+# (a heatmap, a teacher's probabilities) hold more than _FEW values: neither is named.
+def _scaled_labels(call: SeenCall, y: TensorSeen) -> Finding | None:
+    """target_out_of_range: binary targets {0, v} with 0 < v < 1/2 (NOTE [scaled hard labels])."""
+    if len(y.values) != 2 or y.values[0] != 0 or not 0 < y.values[1] < 0.5 or y.numel < _MIN_VALUES:
+        return None
+    v = y.values[1]
+    scale = f" = 1/{1 / v:.4g}" if abs(1 / v - round(1 / v)) < 1e-3 else ""
+    return Finding(
+        "target_out_of_range", "error", call.where,
+        f"{call.name}'s targets hold only the values 0 and {v:.4g}{scale}: hard 0/1 labels "
+        "scaled on the way (ToTensor divides a uint8 mask by 255), so the positive class's "
+        f"target is {v:.4g} and the loss trains the model to predict about 0 everywhere",
+        "keep the mask out of the image transform: torch.as_tensor(np.array(mask), "
+        "dtype=torch.float32) (or (mask > 0).float()) for 0/1 labels; transforms.v2 leaves a "
+        "tv_tensors.Mask unscaled",
     )  # fmt: skip
 
 
@@ -246,7 +269,8 @@ LOSS_CONTRACT = Check(
         ),
         Kind(
             "target_out_of_range",
-            "binary targets outside [0, 1], or soft class targets that are not distributions",
+            "binary targets outside [0, 1] or hard 0/1 labels scaled below 1, or soft class "
+            "targets that are not distributions",
         ),
         Kind(
             "loss_weight_shape",

@@ -41,6 +41,7 @@ class TensorSeen:
     row_sum_off: float  # max |sum over the class dim - 1| (inf when not floating)
     row_lse_off: float  # max |logsumexp over the class dim| (inf when not floating)
     made_by: tuple[str, str] | None  # (softmax | sigmoid | log_softmax, the line) that made it
+    values: tuple[float, ...] = ()  # a floating target's distinct values, when at most _FEW
 
 
 @dataclass
@@ -77,8 +78,14 @@ def _storage(t: torch.Tensor) -> int:
         return id(t)
 
 
-def _summary(t: torch.Tensor, dim: int, made_by: tuple[str, str] | None) -> TensorSeen:
-    """The tensor's summary (the doctor's own syncs, on a detached float copy)."""
+_FEW = 4  # distinct values a target may hold and still be read as hard labels
+
+
+def _summary(
+    t: torch.Tensor, dim: int, made_by: tuple[str, str] | None, *, target: bool = False
+) -> TensorSeen:
+    """The tensor's summary (the doctor's own syncs, on a detached float copy); a floating
+    `target`'s distinct values too, when it holds at most _FEW."""
     with torch.no_grad():
         v = t.detach().float() if t.is_floating_point() else t.detach().double()
         empty = v.numel() == 0
@@ -88,9 +95,14 @@ def _summary(t: torch.Tensor, dim: int, made_by: tuple[str, str] | None) -> Tens
         if t.is_floating_point() and not empty and not bool((v.isnan() | v.isposinf()).any()):
             off_sum = float((v.sum(dim) - 1).abs().max())  # sync: the doctor's
             off_lse = float(torch.logsumexp(v, dim).abs().max())  # sync: the doctor's
+        values: tuple[float, ...] = ()
+        if target and t.is_floating_point() and not empty:
+            distinct = torch.unique(v)
+            if len(distinct) <= _FEW:
+                values = tuple(distinct.tolist())  # sync: the doctor's
     low_precision = t.dtype in (torch.float16, torch.bfloat16)
     return TensorSeen(tuple(t.shape), t.is_floating_point(), low_precision, low, high,
-                      t.numel(), off_sum, off_lse, made_by)  # fmt: skip
+                      t.numel(), off_sum, off_lse, made_by, values)  # fmt: skip
 
 
 class _LossMode(TorchFunctionMode):
@@ -116,7 +128,8 @@ class _LossMode(TorchFunctionMode):
         for key, value in arguments.items():
             if isinstance(value, torch.Tensor):
                 made = self.seen.made.get(_storage(value))
-                tensors[key] = _summary(value, dim if value.dim() > dim else 0, made)
+                at = dim if value.dim() > dim else 0
+                tensors[key] = _summary(value, at, made, target=key == "target")
             elif isinstance(value, (int, float, str, bool)) or value is None:
                 options[key] = value
         return SeenCall(name, call_site()[0], tensors, options)
