@@ -21,6 +21,7 @@ from tests.doctor import (
     zoo_reports,
     zoo_state,
     zoo_update,
+    zoo_weights,
     zoo_world,
 )
 from tests.doctor.zoo import lm_setup, mlp_setup
@@ -139,7 +140,7 @@ CASES: list[tuple[str, Callable[[], dict[str, Any]], Callable[[], dict[str, Any]
 CASES += zoo_reports.CASES  # the bugs of public reports, each with its link
 CASES += [(k, partial(setup, False), partial(setup, True), sev) for k, setup, sev in zoo_data.CASES]
 CASES += zoo_losses.CASES + zoo_update.CASES + zoo_state.CASES + zoo_model.CASES  # newer families
-CASES += zoo_precision.CASES + zoo_alignment.CASES
+CASES += zoo_precision.CASES + zoo_alignment.CASES + zoo_weights.CASES
 
 
 def _id(case: tuple[Any, ...]) -> str:

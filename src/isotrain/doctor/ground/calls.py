@@ -102,6 +102,7 @@ class LossCall:
     probabilities: str | None  # evidence that the input rows are probabilities
     softmax_at: str | None  # where the softmax that made the input ran
     value: float | None = None  # the mean-reduced loss it returned
+    weight: torch.Tensor | None = None  # a class-index loss's per-class weight, copied
 
 
 @dataclass
@@ -206,10 +207,12 @@ def _loss_call(w: CallWatch, func: Any, args: Any, kwargs: dict[str, Any]) -> Lo
     classes = ce and not y.is_floating_point()
     probs = _probabilities(x) if ce else None
     softmax = w.softmax_at.get(_storage(x)) if probs else None
+    weight = arguments.get("weight") if classes else None
+    weight = weight.detach().float().clone() if isinstance(weight, torch.Tensor) else None
     return LossCall(
         name, w.step, where, inner, tuple(x.shape), tuple(y.shape),
         y.detach().clone() if classes else None, int(arguments.get("ignore_index", -100)),
-        reduction(arguments), probs, softmax,
+        reduction(arguments), probs, softmax, weight=weight,
     )  # fmt: skip
 
 
