@@ -98,3 +98,14 @@ def test_the_missed_0_1_mask_over_255_is_named_since_by_the_losses_contract() ->
     assert [(f.kind, f.severity) for f in d.findings if f.severity != "info"] == [
         ("target_out_of_range", "error")
     ], d
+
+
+def test_an_image_only_brightened_beside_its_unmoved_mask_is_clean() -> None:
+    no_alarm(examined_untouched(zoo_data.setup_photometric_only(), checks="all"))
+
+
+def test_a_turn_names_both_angles() -> None:
+    (f,) = examine(
+        **zoo_data.setup_turned_image_only(False), checks=["pair_transform_mismatch"]
+    ).findings
+    assert "the image came back turned by" in f.evidence and "the mask by +0" in f.evidence, f

@@ -202,6 +202,50 @@ def setup_separate_transforms(fixed: bool) -> dict[str, Any]:
     return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
 
 
+SIDE = 48  # pixels: a turn by a few degrees moves a 48-pixel scene's edges by a pixel or more
+
+
+class TurnedScenes(Dataset):  # type: ignore[type-arg]
+    """Nest-of-Unets#29's pipelines on SIDE x SIDE scenes (3 x 3 blocks, foreground or not): the
+    image turned by up to 10 degrees and brightened, the mask turned too (`form="joint"`), not
+    turned (`"image only"`), or the image only brightened and noised (`"photometric"`)."""
+
+    def __init__(self, form: str) -> None:
+        g = torch.Generator().manual_seed(6)
+        blocks = torch.randint(0, 2, (4, 3, 3), generator=g)
+        self.masks = blocks.repeat_interleave(SIDE // 3, 1).repeat_interleave(SIDE // 3, 2)
+        self.images = self.masks[:, None].float() + 0.3 * torch.randn(4, 1, SIDE, SIDE, generator=g)
+        self.form = form
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, mask = self.images[i], self.masks[i][None].float()
+        if self.form == "photometric":
+            return image * random.uniform(0.6, 1.4) + 0.05 * torch.randn_like(image), mask
+        degrees = random.uniform(-10, 10)
+        image = rotate(image, degrees) * random.uniform(0.6, 1.4)
+        if self.form == "joint":
+            mask = rotate(mask, degrees).round()
+        return image, mask  # "image only": BUG, the mask is not turned with its image
+
+
+def setup_turned_image_only(fixed: bool) -> dict[str, Any]:
+    """Nest-of-Unets#29 (missed when held out, on 8 x 8 scenes), at SIDE pixels: the image's
+    transforms hold RandomRotation((-10, 10)), the label's do not."""
+    model = seeded(lambda: nn.Conv2d(1, 1, 3, padding=1))
+    loader = DataLoader(TurnedScenes("joint" if fixed else "image only"), batch_size=2)
+    return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
+
+
+def setup_photometric_only() -> dict[str, Any]:
+    """Correct: only the image's brightness and noise change; the mask stays as it is."""
+    model = seeded(lambda: nn.Conv2d(1, 1, 3, padding=1))
+    loader = DataLoader(TurnedScenes("photometric"), batch_size=2)
+    return dict(model=model, optimizer=adamw(model), batches=loader, step=bce_step)
+
+
 # -- the training split against the eval split ------------------------------------------------
 
 
@@ -343,13 +387,15 @@ HELD_OUT = [
         "labels_truncated reads only class ids cut by .long()")),
     pytest.param("pair_transform_mismatch", setup_separate_transforms, "error",
         marks=pytest.mark.xfail(strict=True, reason=_MISSED + "a rotation by up to 10 "
-        "degrees is not judged, only flips and quarter turns")),
+        "degrees was not judged then; turns are since, but on these 8 x 8 scenes one moves "
+        "the pixels by under one")),
 ]  # fmt: skip
 
 CASES = [
     ("labels_truncated", setup_scaled_mask, "error"),
     ("batch_class_mix", setup_sorted, "warning"),
     ("pair_transform_mismatch", setup_pairs, "error"),
+    ("pair_transform_mismatch", setup_turned_image_only, "error"),
     *SPLIT_CASES,
 ]
 __all__ = ["CASES", "MLP", "good_step", "setup_stored_mixed"]

@@ -4,16 +4,18 @@ A segmentation sample's mask must follow every flip and rotation of its image. T
 called once on the image and once on the mask draw their own coins (or the mask gets none),
 and the pair no longer lines up. The check reads one sample several times (in a worker:
 `draw`); when the image and the mask each come back as read 1 clearly flipped, turned by 90
-degrees or as they were, they must have moved the same way. Crops and arbitrary angles are not
-judged.
+degrees or as they were, they must have moved the same way; so too when each comes back
+clearly turned by some angle (NOTE [small turns]). Crops, shifts and scalings are not judged.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from isotrain.doctor.data.draw import Path, at, draw, getitem_at, leaves, map_style
 from isotrain.doctor.ground.context import Context
@@ -75,6 +77,60 @@ def _moved(ref: torch.Tensor, now: torch.Tensor, moves: dict[str, Move]) -> str 
     return best if scores[best] >= _SAME and all(v < _APART for v in rest) else None
 
 
+# NOTE [small turns]
+# A rotation by an arbitrary angle (RandomRotation((-10, 10))) is found by turning read 1 about
+# its centre by every whole degree in _ANGLES and keeping the angle whose channel mean best
+# correlates with read k inside the central disc every turn keeps (photometric changes
+# aside), on a copy at most _SIDE pixels wide. The angle counts only when it is clear: a
+# correlation of _CLEAR or more, _PEAK above every angle _TURN degrees or more away from it
+# (an image that looks the same turned, a blank one, says nothing). The image and its mask
+# must come back turned by angles less than _TURN degrees apart.
+_ANGLES = torch.arange(-30.0, 31.0)
+_TURN, _CLEAR, _PEAK = 3.0, 0.98, 0.005
+_SIDE = 64
+
+
+def _turns(t: torch.Tensor) -> torch.Tensor:
+    """(C, H, W) -> (len(_ANGLES), H, W): its channel mean turned by each angle (zeros outside)."""
+    a = _ANGLES * math.pi / 180
+    c, s, z = a.cos(), a.sin(), torch.zeros_like(a)
+    theta = torch.stack([torch.stack([c, -s, z], -1), torch.stack([s, c, z], -1)], 1)
+    grid = F.affine_grid(theta, [len(a), *t.shape], align_corners=False)
+    return F.grid_sample(t.expand(len(a), *t.shape), grid, align_corners=False).mean(1)
+
+
+def _small(t: torch.Tensor) -> torch.Tensor:
+    """A float (C, H, W) copy at most _SIDE pixels on its longer side."""
+    t = t.float().reshape(-1, *t.shape[-2:])
+    scale = _SIDE / max(t.shape[-2:])
+    if scale >= 1:
+        return t
+    size = (max(1, round(t.shape[-2] * scale)), max(1, round(t.shape[-1] * scale)))
+    return F.interpolate(t[None], size=size, mode="area")[0]
+
+
+def _angle(ref: torch.Tensor, now: torch.Tensor) -> float | None:
+    """The whole-degree turn about the centre that maps `ref` onto `now`, if clear (NOTE
+    [small turns])."""
+    ref, now = _small(ref), _small(now)
+    if ref.shape != now.shape:
+        return None
+    h, w = ref.shape[-2:]
+    y, x = torch.meshgrid(torch.linspace(-1, 1, h), torch.linspace(-1, 1, w), indexing="ij")
+    inside = x**2 + y**2 <= 0.8**2
+    turned = _turns(ref).double()[:, inside]
+    seen = now.double().mean(0)[inside]
+    turned, seen = turned - turned.mean(1, keepdim=True), seen - seen.mean()
+    den = turned.norm(dim=1) * seen.norm()
+    if float(den.min()) <= 0:
+        return None
+    corr = (turned @ seen) / den
+    best = int(corr.argmax())
+    far = corr[(_ANGLES - _ANGLES[best]).abs() >= _TURN]
+    clear = float(corr[best]) >= _CLEAR and float(far.max()) <= float(corr[best]) - _PEAK
+    return float(_ANGLES[best]) if clear else None
+
+
 def _mismatch(draws: list[Any], paths: tuple[Path, Path]) -> str | None:
     """How one sample's draws show the mask moved otherwise than its image, if they do: each
     against read 1, both moved by one clear flip or turn (small crops and angles keep the
@@ -87,6 +143,11 @@ def _mismatch(draws: list[Any], paths: tuple[Path, Path]) -> str | None:
         name, follows = _moved(image0, image, moves), _moved(mask0, mask, moves)
         if name is not None and follows is not None and name != follows:
             return f"read {k + 1}: the image came back {name} against read 1, the mask {follows}"
+    for k, (image, mask) in enumerate(pairs[1:], 1):
+        turn, follows_turn = _angle(image0, image), _angle(mask0, mask)
+        if turn is not None and follows_turn is not None and abs(turn - follows_turn) >= _TURN:
+            return (f"read {k + 1}: the image came back turned by {turn:+.0f} degrees against "
+                    f"read 1, the mask by {follows_turn:+.0f}")  # fmt: skip
     return None
 
 
@@ -127,7 +188,8 @@ PAIRS = Check(
     (
         Kind(
             "pair_transform_mismatch",
-            "an image and its label mask are flipped or turned by different transforms",
+            "an image and its label mask are flipped or turned (by any angle) by different "
+            "transforms",
         ),
     ),
     check_pair_transform,
