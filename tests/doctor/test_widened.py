@@ -102,8 +102,8 @@ def test_a_schedule_that_spends_itself_after_the_assumed_run_is_information() ->
     assert f.severity == "info" and f.where == "tests/doctor/zoo_state.py:46", f
     assert f.evidence == (
         "not judged: the learning rate of param group 0 falls below 1/100 of its peak (0.1 -> "
-        "0.00097) after 44 batches (ExponentialLR.step() x1 per batch), later than half of the "
-        "50 batches judged (one epoch of your DataLoader); in a run longer than 88 batches "
+        "0.00097) after 44 batches (ExponentialLR.step() x1 per batch), later than the first 40 "
+        "of the 50 batches judged (one epoch of your DataLoader); in a run longer than 88 batches "
         "that is a collapse: pass total_steps= (the run's optimizer steps)"
     ), f
 

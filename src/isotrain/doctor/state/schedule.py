@@ -5,7 +5,8 @@ in a fraction of the run. The schedulers your step calls are stepped on from whe
 of your step leaves them, as many times per call as your step steps them (on your own
 objects, put back after), over the run: `total_steps` optimizer steps when declared, else
 one epoch of a DataLoader, and never fewer than MIN_RUN calls. A learning rate that falls
-below 1/100 of its peak before half the run has spent its schedule (a cosine past T_max
+below 1/100 of its peak before half the run (before 80% of the one epoch assumed when the
+run is not declared: NOTE [the first epoch]) has spent its schedule (a cosine past T_max
 starts over: a schedule cycling within the run); one that reaches 0 at the run's end has
 not, nor one that restarts by design (warm restarts, cyclic) and comes back up. A learning
 rate the step sets by hand is judged on the traced calls: no run wants it to fall 100x
@@ -35,6 +36,7 @@ __all__ = ["LR_COLLAPSE", "check_lr"]
 _Part = tuple[Any, float, float]  # a scheduler, its steps a unit (call, batch), its steps an epoch
 COLLAPSE = 100.0
 MIN_RUN = 40  # calls: the shortest run a schedule is judged over when nothing says more
+HALF, FIRST_EPOCH = 0.5, 0.8  # of the run a collapse must come before: NOTE [the first epoch]
 MAX_RUN = 20_000  # calls stepped on at most (a longer run is judged over these)
 HORIZON = 10_000  # units stepped on to say when an undeclared run's schedule would collapse
 _CYCLIC = (
@@ -51,7 +53,8 @@ _FIX = (
 
 def check_lr(ctx: Context) -> list[Finding]:
     """lr_collapse: some group's learning rate spends itself within the traced calls, or,
-    stepped on as the step steps its schedulers, before half the run."""
+    stepped on as the step steps its schedulers, before half the run (NOTE [the first
+    epoch])."""
     tr = trace_ok(ctx)
     seen = [s.lrs for s in tr.steps if s.lrs] + [tr.lrs_after]
     found = _collapse(seen, len(seen), stays=False) if len(seen) >= 2 else None
@@ -72,31 +75,34 @@ def check_lr(ctx: Context) -> list[Finding]:
     stepped = [(sched, one, 0.0) for sched, one, _ in _stepped(ctx, _steps_once(ctx))]
     if not stepped:
         return []
-    run, said = _run_length(ctx, tr)
+    run, said, share = _run_length(ctx, tr)
     how = ", ".join(f"{type(s).__name__}.step() x{n:g}" for s, n, _ in stepped) + " per call"
-    named = _judged(ctx, tr, stepped, (run, None), f"calls of your step ({said})", how)
+    named = _judged(ctx, tr, stepped, (run, None), f"calls of your step ({said})", how, share)
     if named or ctx.total_steps is not None:
         return named
-    return _unjudged(ctx, tr, stepped, (run, said), "calls of your step", how)
+    return _unjudged(ctx, tr, stepped, (run, said, share), "calls of your step", how)
 
 
 def _judged(
-    ctx: Context, tr: Trace, parts: list[_Part], run: tuple[int, int | None], unit: str, how: str
-) -> list[Finding]:
+    ctx: Context, tr: Trace, parts: list[_Part], run: tuple[int, int | None], unit: str,
+    how: str, share: float = HALF,
+) -> list[Finding]:  # fmt: skip
     """lr_collapse when the schedulers, stepped on over the run (`run`: its units, and the
-    units an epoch holds when schedulers also step once an epoch), spend the lr before half."""
+    units an epoch holds when schedulers also step once an epoch), spend the lr before `share`
+    of it."""
     units, every = run
     cycles = any(isinstance(s, _CYCLIC) for s, _, _ in parts)  # restarts are their design
     lrs, _ = _stepped_on(ctx, parts, min(units, MAX_RUN), every)
-    found = _collapse(lrs, units / 2, stays=cycles)
+    found = _collapse(lrs, units * share, stays=cycles)
     if found is None:
         return []
     group, peak, low, at = found
+    first = ", within the first epoch, which every run holds" if share == FIRST_EPOCH else ""
     return [Finding(
         "lr_collapse", "warning", _sched_line(tr),
         f"the learning rate of param group {group} falls below 1/100 of its peak ({peak:.3g} "
-        f"-> {low:.3g}) after {at} of the run's {units} {unit}, its schedulers stepped as "
-        f"your {'epoch function' if ctx.per_epoch else 'step'} steps them ({how})",
+        f"-> {low:.3g}) after {at} of the run's {units} {unit}{first}, its schedulers stepped "
+        f"as your {'epoch function' if ctx.per_epoch else 'step'} steps them ({how})",
         _FIX,
     )]  # fmt: skip
 
@@ -117,7 +123,7 @@ def _over_epochs(ctx: Context, tr: Trace) -> list[Finding]:
     for sched, one, _ in once:
         per_batch = max(counted.get(id(sched), one) - one, 0.0) / (k - 1)
         parts.append((sched, per_batch, max(one - per_batch, 0.0)))
-    batches, said = _run_length(ctx, tr)
+    batches, said, share = _run_length(ctx, tr)
     epoch = _epoch_length(ctx.source)
     judged = ctx.total_steps is not None and epoch is not None  # the run's epochs are known
     if any(b > 0 for _, b, _ in parts):  # in batches, per-epoch steps at each epoch's end
@@ -135,10 +141,10 @@ def _over_epochs(ctx: Context, tr: Trace) -> list[Finding]:
         return []
     chosen = {id(s) for s, _, _ in steps}
     how = ", ".join(_how(s, b, e if judged else 0.0) for s, b, e in parts if id(s) in chosen)
-    found = _judged(ctx, tr, steps, run, unit, how)
+    found = _judged(ctx, tr, steps, run, unit, how, share if run[1] is None else HALF)
     if found or judged or ctx.total_steps is not None:
         return found
-    return _unjudged(ctx, tr, steps, (batches, said), "batches", how)
+    return _unjudged(ctx, tr, steps, (batches, said, share), "batches", how)
 
 
 # NOTE [a run of unknown length]
@@ -151,7 +157,7 @@ def _over_epochs(ctx: Context, tr: Trace) -> list[Finding]:
 # that ends there (OneCycleLR raises past its total_steps) bounds the run itself; restarts
 # (warm restarts, cyclic) are their design; neither is said.
 def _unjudged(
-    ctx: Context, tr: Trace, parts: list[_Part], judged: tuple[int, str] | None, unit: str,
+    ctx: Context, tr: Trace, parts: list[_Part], judged: tuple[int, str, float] | None, unit: str,
     how: str,
 ) -> list[Finding]:  # fmt: skip
     """lr_collapse's information for a run of unknown length (NOTE [a run of unknown length])."""
@@ -165,7 +171,8 @@ def _unjudged(
         return []  # it ends before any run is long enough for that to be a collapse
     group, peak, low, at = found
     over = (
-        f"later than half of the {judged[0]} {unit} judged ({judged[1].split(';')[0]})"
+        f"later than the first {judged[0] * judged[2]:.0f} of the {judged[0]} {unit} judged "
+        f"({judged[1].split(';')[0]})"
         if judged else f"and your run's {unit} are not known"
     )  # fmt: skip
     return [Finding(
@@ -196,8 +203,8 @@ def _epoch_length(source: Any) -> int | None:
 
 def _plateau_collapse(ctx: Context, tr: Trace, plateau: PlateauRun) -> list[Finding]:
     """lr_collapse of a ReduceLROnPlateau your step steps (NOTE [plateau per call])."""
-    run, said = _run_length(ctx, tr)
-    found = _collapse(stepped_on(ctx, plateau, min(run, MAX_RUN)), run / 2, stays=False)
+    run, said, share = _run_length(ctx, tr)
+    found = _collapse(stepped_on(ctx, plateau, min(run, MAX_RUN)), run * share, stays=False)
     if found is None:  # (never said beyond the run: its cuts follow metrics not seen yet)
         return []
     group, peak, low, at = found
@@ -211,15 +218,23 @@ def _plateau_collapse(ctx: Context, tr: Trace, plateau: PlateauRun) -> list[Find
     )]  # fmt: skip
 
 
-def _run_length(ctx: Context, tr: Trace) -> tuple[int, str]:
-    """The calls of the user's step in the run (batches, under epoch=), and what said so."""
+# NOTE [the first epoch]
+# A declared run (total_steps=) is judged over its first half. Without one the run is at least
+# one epoch of the user's DataLoader, and a schedule that spends the lr before FIRST_EPOCH of
+# that epoch collapses whatever the run's length: a decay meant for a one-epoch run (linear or
+# cosine to 0, a decay over its last fifth) reaches 1/100 of its peak only after it. With no
+# DataLoader the run is assumed MIN_RUN calls, judged over its first half.
+def _run_length(ctx: Context, tr: Trace) -> tuple[int, str, float]:
+    """The calls of the user's step in the run (batches, under epoch=), what said so, and the
+    share of it a collapse must come before (NOTE [the first epoch])."""
     per_call = sum(s.optimizer_steps for s in tr.steps) / max(len(tr.steps), 1) or 1.0
     if ctx.total_steps is not None:
-        return max(1, math.ceil(ctx.total_steps / per_call)), f"total_steps={ctx.total_steps}"
+        steps = max(1, math.ceil(ctx.total_steps / per_call))
+        return steps, f"total_steps={ctx.total_steps}", HALF
     epoch = _epoch_length(ctx.source) or 0
     if epoch > MIN_RUN:
-        return epoch, "one epoch of your DataLoader; pass total_steps= for the run's"
-    return MIN_RUN, f"at least {MIN_RUN}; pass total_steps= for the run's"
+        return epoch, "one epoch of your DataLoader; pass total_steps= for the run's", FIRST_EPOCH
+    return MIN_RUN, f"at least {MIN_RUN}; pass total_steps= for the run's", HALF
 
 
 def _steps_once(ctx: Context, batches: Sequence[Any] | None = None) -> Callable[..., Any]:
@@ -313,7 +328,8 @@ LR_COLLAPSE = Check(
     (
         Kind(
             "lr_collapse",
-            "the learning rate falls below 1/100 of its peak before half the run (or 8 steps)",
+            "the learning rate falls below 1/100 of its peak before half the run (80% of its "
+            "first epoch, or 8 steps)",
         ),
     ),
     check_lr,
