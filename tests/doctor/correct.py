@@ -3,7 +3,9 @@
 An encoder-decoder with labels, LoRA with PEFT's default init, a GAN with two optimizers, a
 graph network whose nodes exchange messages over dim 0, spectral_norm (both APIs), a biased
 Linear before BatchNorm, LBFGS with a closure, a mixture of experts with a capacity, a GRU
-under torch.compile. None of them has a bug: the doctor must raise no error and no warning.
+under torch.compile, inverse-frequency class weights built from a count dict and indexed by
+class id, an image and its mask turned together by a random angle. None of them has a bug:
+the doctor must raise no error and no warning.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tests.doctor import zoo_data, zoo_weights
 from tests.doctor.zoo import adamw, features, seeded
 from torch import nn
 
@@ -234,4 +237,6 @@ SETUPS = {
     "spectral_norm": lambda: spectral(False), "spectral_norm_legacy": lambda: spectral(True),
     "bias_before_batchnorm": bias_before_batchnorm, "lbfgs": lbfgs, "moe": moe,
     "gru_compiled": gru_compiled,
+    "class_weights": lambda: zoo_weights.setup_weights_in_count_order(True),
+    "turned_pairs": lambda: zoo_data.setup_turned_image_only(True),
 }  # fmt: skip
