@@ -22,13 +22,14 @@ __all__ = ["CLASS_WEIGHTS", "check_class_weights"]
 # Over the traced calls, the class targets a weighted loss line was given (ignore_index left
 # out) give each class's frequency f_c; classes seen fewer than MIN_SEEN times are left out,
 # and at least two must remain, MIN_TARGETS targets in all, with max f / min f >= SPREAD
-# (balanced data says nothing about the weights' order). Weights that balance them (w_c * f_c
-# alike within TOL) are right. Two shapes are named: weights proportional to the frequencies
-# (w_c / f_c alike within TOL: the frequencies, or for two classes each other's inverse, passed
-# where the inverse was meant), and the inverse frequencies in another order (sorted w against
-# sorted 1/f alike within TOL: a Counter's or value_counts' order, not the class ids'). Hand-set
-# costs that fit neither shape are not judged. TOL allows for frequencies sampled from a few
-# batches rather than the dataset.
+# (balanced data says nothing about the weights' order). The weights are judged only when
+# they leave the classes unbalanced by SPREAD or more (max over min of w_c * f_c): right
+# weights stay within it though the frequencies are sampled from a few batches, and two
+# classes of near frequencies swapped by that sampling never reach it. Two shapes are named:
+# weights proportional to the frequencies (w_c / f_c alike within TOL: the frequencies, or for
+# two classes each other's inverse, passed where the inverse was meant), and the inverse
+# frequencies in another order (sorted w against sorted 1/f alike within TOL: a Counter's or
+# value_counts' order, not the class ids'). Hand-set costs that fit neither are not judged.
 MIN_SEEN = 8
 MIN_TARGETS = 64
 SPREAD = 2.0
@@ -57,8 +58,11 @@ def _judged(where: str, calls: list[LossCall]) -> Finding | None:
     if int(seen.sum()) < 2 or float(counts[seen].sum()) < MIN_TARGETS:
         return None
     f, w = counts[seen] / counts[seen].sum(), weight[seen].double()
-    if float(w.min()) <= 0 or float(f.max() / f.min()) < SPREAD or _alike(w * f):
+    balance = w * f
+    if float(w.min()) <= 0 or float(f.max() / f.min()) < SPREAD:
         return None
+    if float(balance.max() / balance.min()) < SPREAD:
+        return None  # the weights balance the classes, or nearly
     if _alike(w / f):
         how = "proportional to how often each class is seen (w_c / f_c alike), not to its inverse"
     elif _alike(w.sort().values / (1 / f).sort().values):
