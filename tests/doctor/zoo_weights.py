@@ -92,11 +92,58 @@ def segmentation_step(weight: torch.Tensor) -> Any:
     return loss_fn
 
 
+RATES = [0.5, 0.25, 0.1, 0.05]  # each label's share of positive targets
+
+
+def multi_label(rates: list[float], seed: int = 9) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """BATCHES batches of ROWS rows, each label positive in exactly its share of the rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(BATCHES):
+        y = torch.zeros(ROWS, len(rates))
+        for label, rate in enumerate(rates):
+            y[torch.randperm(ROWS, generator=g)[: round(rate * ROWS)], label] = 1.0
+        out.append((torch.randn(ROWS, FEATURES, generator=g), y))
+    return out
+
+
+def positive_setup(pos_weight: torch.Tensor) -> dict[str, Any]:
+    """A multi-label linear head trained with nn.BCEWithLogitsLoss(pos_weight=pos_weight)."""
+    model = seeded(lambda: nn.Linear(FEATURES, len(RATES)))
+    criterion = nn.BCEWithLogitsLoss(pos_weight=pos_weight)
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return criterion(model(x), y)
+
+    return dict(model=model, optimizer=adamw(model), batches=multi_label(RATES), loss_fn=loss_fn)
+
+
+def setup_pos_weight_inverted(fixed: bool) -> dict[str, Any]:
+    """Planted: pos_weight = positives / negatives per label, the inverse of the documented
+    negatives / positives (300 / 100 = 3)."""
+    r = torch.tensor([(1 - p) / p for p in RATES])
+    return positive_setup(r if fixed else 1 / r)
+
+
+def setup_pos_weight_reordered(fixed: bool) -> dict[str, Any]:
+    """Planted: the labels' negative/positive ratios listed most common first, while the
+    labels are in another order (GRLModel#4's slip, on pos_weight)."""
+    r = torch.tensor([(1 - p) / p for p in RATES])
+    return positive_setup(r if fixed else r[torch.tensor([2, 0, 3, 1])])
+
+
+def setup_pos_weight_constant() -> dict[str, Any]:
+    """Correct on purpose: one pos_weight of 2 for every label."""
+    return positive_setup(torch.full((len(RATES),), 2.0))
+
+
 BUILT_FROM: list[Any] = [
     setup_binary_weights_swapped,
     setup_frequencies_as_weights,
     setup_weights_in_count_order,
 ]
+PLANTED: list[Any] = [setup_pos_weight_inverted, setup_pos_weight_reordered]
 
 
 # -- held out: rebuilt once the check was done, tested once ------------------------------------
@@ -147,5 +194,5 @@ HELD_OUT: list[tuple[Any, str]] = [
 # (kind, bug, clean twin, severity), as tests/doctor/test_zoo.py's CASES
 CASES: list[tuple[str, Any, Any, str]] = [
     ("class_weight_order", (lambda m=make: m(False)), (lambda m=make: m(True)), "warning")
-    for make in BUILT_FROM
+    for make in BUILT_FROM + PLANTED
 ]

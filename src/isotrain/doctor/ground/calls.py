@@ -103,6 +103,8 @@ class LossCall:
     softmax_at: str | None  # where the softmax that made the input ran
     value: float | None = None  # the mean-reduced loss it returned
     weight: torch.Tensor | None = None  # a class-index loss's per-class weight, copied
+    pos_weight: torch.Tensor | None = None  # a BCE-with-logits loss's per-label pos_weight
+    positives: torch.Tensor | None = None  # with it: each label's positive targets (> 0.5)
 
 
 @dataclass
@@ -111,6 +113,7 @@ class CallWatch:
 
     step: int = 0
     calls: list[LossCall] = field(default_factory=list)
+    weighted: list[LossCall] = field(default_factory=list)  # BCE-with-logits with a pos_weight
     last_loss: torch.Tensor | None = None  # the latest scalar loss output (for the reference)
     graphs: dict[int, tuple[Any, str]] = field(default_factory=dict)  # id -> (weakref, line)
     region: dict[str, torch.dtype] = field(default_factory=dict)  # autocast open at the call
@@ -150,6 +153,10 @@ class _CallMode(TorchFunctionMode):
         w.region = {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda")
                     if torch.is_autocast_enabled(d)}  # fmt: skip
         call = _loss_call(w, func, args, kwargs) if func in LOSSES else None
+        if func is F.binary_cross_entropy_with_logits:
+            bce = _loss_call(w, func, args, kwargs)
+            if bce is not None and bce.pos_weight is not None:
+                w.weighted.append(bce)  # read by class_weight_order alone
         out = func(*args, **kwargs)
         if call is not None:
             scalar = isinstance(out, torch.Tensor) and out.numel() == 1
@@ -202,18 +209,34 @@ def _loss_call(w: CallWatch, func: Any, args: Any, kwargs: dict[str, Any]) -> Lo
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return None
     where, inner = call_site()
-    name = LOSSES[func]
+    name = LOSSES.get(func, "binary_cross_entropy_with_logits")
     ce = name in ("cross_entropy", "nll_loss")
     classes = ce and not y.is_floating_point()
     probs = _probabilities(x) if ce else None
     softmax = w.softmax_at.get(_storage(x)) if probs else None
     weight = arguments.get("weight") if classes else None
     weight = weight.detach().float().clone() if isinstance(weight, torch.Tensor) else None
+    pos_weight, positives = _label_counts(arguments.get("pos_weight"), y)
     return LossCall(
         name, w.step, where, inner, tuple(x.shape), tuple(y.shape),
         y.detach().clone() if classes else None, int(arguments.get("ignore_index", -100)),
-        reduction(arguments), probs, softmax, weight=weight,
+        reduction(arguments), probs, softmax, weight=weight, pos_weight=pos_weight,
+        positives=positives,
     )  # fmt: skip
+
+
+def _label_counts(
+    pos_weight: Any, y: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A (L,) pos_weight, copied, and each of the L labels' positive targets along y's last
+    dimension (the one pos_weight broadcasts along); (None, None) for any other."""
+    if not isinstance(pos_weight, torch.Tensor) or pos_weight.dim() != 1 or y.dim() == 0:
+        return None, None
+    if len(pos_weight) < 2 or y.shape[-1] != len(pos_weight) or not y.is_floating_point():
+        return None, None
+    with torch.no_grad():
+        positives = (y.detach() > 0.5).reshape(-1, len(pos_weight)).sum(0)
+    return pos_weight.detach().float().clone(), positives
 
 
 class _PrecisionMode(WatchMode):

@@ -3,10 +3,14 @@
 Per-class weights balance the classes: a class seen half as often weighs about twice as much.
 The doctor reads every `cross_entropy` / `nll_loss` call with a `weight` in the traced calls,
 counts the class targets those calls were given, and names weights that give the classes seen
-most the most weight: NOTE [class weights].
+most the most weight: NOTE [class weights]; and a `binary_cross_entropy_with_logits`
+`pos_weight` that gives the labels with the rarest positives the least: NOTE [positive
+weights].
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -82,13 +86,63 @@ def _judged(where: str, calls: list[LossCall]) -> Finding | None:
     )  # fmt: skip
 
 
+# NOTE [positive weights]
+# BCE-with-logits' pos_weight balances each label's positives against its negatives: the
+# docs' 300 negatives / 100 positives = 3. Over the traced calls each label's positive and
+# negative targets give r_l = negatives / positives (labels with fewer than MIN_SEEN of either
+# left out, at least two left, MIN_TARGETS rows, max r / min r >= SPREAD); pos_weight is judged
+# when it leaves the labels SPREAD or more from balanced (max over min of w_l / r_l), as
+# class weights are: named when it is the inverse of the ratios (w_l * r_l alike: positives
+# over negatives) or the ratios in another order (sorted, alike). A single label is not
+# judged: a pos_weight below 1 may trade recall for precision on purpose.
+def _judged_positive(where: str, calls: list[LossCall]) -> Finding | None:
+    """class_weight_order of one pos_weight line (NOTE [positive weights])."""
+    weight = calls[0].pos_weight
+    counts = [c.positives for c in calls if c.positives is not None]
+    if weight is None or any(len(p) != len(weight) for p in counts):
+        return None
+    rows = sum(math.prod(c.target_shape) // len(weight) for c in calls)
+    pos = torch.stack(counts).sum(0).double()
+    neg = rows - pos
+    seen = (pos >= MIN_SEEN) & (neg >= MIN_SEEN)
+    if int(seen.sum()) < 2 or rows < MIN_TARGETS:
+        return None
+    r, w = neg[seen] / pos[seen], weight[seen].double()
+    if float(w.min()) <= 0 or float(r.max() / r.min()) < SPREAD:
+        return None
+    if float((w / r).max() / (w / r).min()) < SPREAD:
+        return None  # it balances the labels, or nearly
+    if _alike(w * r):
+        how = "the inverse of each label's negative/positive ratio (positives over negatives)"
+    elif _alike(w.sort().values / r.sort().values):
+        how = "the labels' negative/positive ratios, but in another order than the labels"
+    else:
+        return None
+    ids = torch.nonzero(seen).flatten().tolist()
+    shown = ", ".join(f"label {i}: negatives/positives {ri:.3g}, pos_weight {wi:.3g}"
+                      for i, ri, wi in zip(ids, r.tolist(), w.tolist(), strict=True))  # fmt: skip
+    return Finding(
+        "class_weight_order", "warning", where,
+        f"{calls[0].name}'s pos_weight is {how}: in the {rows} rows of the traced calls "
+        f"({shown}) the labels whose positives are rarest get the least positive weight",
+        "pos_weight = (rows - positives) / positives for each label, in the labels' order "
+        "(positives = train_targets.sum(0)): 300 negatives and 100 positives give 3",
+    )  # fmt: skip
+
+
 def check_class_weights(ctx: Context) -> list[Finding]:
-    """class_weight_order: each weighted class-index loss line against its targets' counts."""
+    """class_weight_order: each weighted class-index loss line against its targets' counts,
+    and each BCE-with-logits pos_weight against its labels' positives."""
     lines: dict[str, list[LossCall]] = {}
-    for c in trace_ok(ctx).watch.calls:
+    positive: dict[str, list[LossCall]] = {}
+    watch = trace_ok(ctx).watch
+    for c in watch.calls:
         if c.weight is not None and c.target is not None and c.weight.dim() == 1:
             lines.setdefault(c.where, []).append(c)
-    found = (_judged(where, calls) for where, calls in lines.items())
+    for c in watch.weighted:
+        positive.setdefault(c.where, []).append(c)
+    found = [_judged(where, calls) for where, calls in lines.items()]
+    found += [_judged_positive(where, calls) for where, calls in positive.items()]
     return [f for f in found if f is not None]
 
 
