@@ -50,6 +50,17 @@ def _alike(values: torch.Tensor) -> bool:
     return bool(values.min() > 0) and float(values.max() / values.min()) <= TOL
 
 
+def _missed(w: torch.Tensor, right: torch.Tensor) -> str | None:
+    """How weights `w` miss `right`, the weights that balance (up to a scale), when they leave
+    them SPREAD or more apart: "inverse" (w x right alike), "order" (sorted, alike), or None."""
+    apart = w / right
+    if float(apart.max() / apart.min()) < SPREAD:
+        return None  # they balance, or nearly
+    if _alike(w * right):
+        return "inverse"
+    return "order" if _alike(w.sort().values / right.sort().values) else None
+
+
 def _judged(where: str, calls: list[LossCall]) -> Finding | None:
     """The finding of one weighted loss line, or None when its weights are not misordered."""
     weight = calls[0].weight
@@ -62,16 +73,14 @@ def _judged(where: str, calls: list[LossCall]) -> Finding | None:
     if int(seen.sum()) < 2 or float(counts[seen].sum()) < MIN_TARGETS:
         return None
     f, w = counts[seen] / counts[seen].sum(), weight[seen].double()
-    balance = w * f
     if float(w.min()) <= 0 or float(f.max() / f.min()) < SPREAD:
         return None
-    if float(balance.max() / balance.min()) < SPREAD:
-        return None  # the weights balance the classes, or nearly
-    if _alike(w / f):
-        how = "proportional to how often each class is seen (w_c / f_c alike), not to its inverse"
-    elif _alike(w.sort().values / (1 / f).sort().values):
-        how = "the classes' inverse frequencies, but in another order than the class ids"
-    else:
+    how = {
+        "inverse": "proportional to how often each class is seen (w_c / f_c alike), not to its "
+        "inverse",
+        "order": "the classes' inverse frequencies, but in another order than the class ids",
+    }.get(_missed(w, 1 / f) or "")
+    if how is None:
         return None
     ids = torch.nonzero(seen).flatten().tolist()
     shown = ", ".join(f"class {c}: f {fc:.3f}, w {wc:.3g}"
@@ -110,13 +119,11 @@ def _judged_positive(where: str, calls: list[LossCall]) -> Finding | None:
     r, w = neg[seen] / pos[seen], weight[seen].double()
     if float(w.min()) <= 0 or float(r.max() / r.min()) < SPREAD:
         return None
-    if float((w / r).max() / (w / r).min()) < SPREAD:
-        return None  # it balances the labels, or nearly
-    if _alike(w * r):
-        how = "the inverse of each label's negative/positive ratio (positives over negatives)"
-    elif _alike(w.sort().values / r.sort().values):
-        how = "the labels' negative/positive ratios, but in another order than the labels"
-    else:
+    how = {
+        "inverse": "the inverse of each label's negative/positive ratio (positives over negatives)",
+        "order": "the labels' negative/positive ratios, but in another order than the labels",
+    }.get(_missed(w, r) or "")
+    if how is None:
         return None
     ids = torch.nonzero(seen).flatten().tolist()
     shown = ", ".join(f"label {i}: negatives/positives {ri:.3g}, pos_weight {wi:.3g}"
