@@ -209,7 +209,7 @@ def _loss_call(w: CallWatch, func: Any, args: Any, kwargs: dict[str, Any]) -> Lo
     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
         return None
     where, inner = call_site()
-    name = LOSSES.get(func, "binary_cross_entropy_with_logits")
+    name = LOSS_FUNCTIONS[func]
     ce = name in ("cross_entropy", "nll_loss")
     classes = ce and not y.is_floating_point()
     probs = _probabilities(x) if ce else None

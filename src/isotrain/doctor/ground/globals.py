@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 import types
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
 from isotrain._torch_private import tensor_version
 
-__all__ = ["StepState", "cell_full", "step_functions"]
+__all__ = ["StepState", "cell_full", "names_read"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
 _CONTAINERS = (dict, list, set, deque)
@@ -153,6 +153,19 @@ def step_functions(*fns: Any) -> list[types.FunctionType]:
     return list(seen.values())
 
 
+def names_read(*fns: Any) -> Iterator[tuple[Any, str, str, Any]]:
+    """(space, attribute, name, value) for every global and closure cell that `fns` and the
+    functions they reach (`step_functions`) read by name: a globals dict and its key, or a
+    cell and "cell_contents" under the variable's name."""
+    for f in step_functions(*fns):
+        for name in f.__code__.co_names:
+            if name in f.__globals__:
+                yield f.__globals__, name, name, f.__globals__[name]
+        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
+            if cell_full(cell):
+                yield cell, "cell_contents", var, cell.cell_contents
+
+
 def cell_full(cell: Any) -> bool:
     """Whether a closure cell holds a value (an empty one raises on reading)."""
     try:
@@ -191,13 +204,9 @@ class StepState:
         for o in objects:  # handed to the step, itself for good: its contents put back
             if _kept(o, self.skip):
                 self.slots.append((None, "handed", o, saver.save(o, "handed")))
-        for f in step_functions(*[f for f in fns if f is not None]):
-            for name in f.__code__.co_names:
-                if name in f.__globals__ and _kept(f.__globals__[name], self.skip):
-                    self._keep(f.__globals__, name, saver, name)
-            for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-                if cell_full(cell) and _kept(cell.cell_contents, self.skip):
-                    self._keep(cell, "cell_contents", saver, var)
+        for space, attr, name, value in names_read(*[f for f in fns if f is not None]):
+            if _kept(value, self.skip):
+                self._keep(space, attr, saver, name)
         self.left_out, self.missed = saver.left_out, saver.missed
 
     def _keep(self, space: Any, name: str, saver: _Saver, path: str) -> None:

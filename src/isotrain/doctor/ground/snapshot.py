@@ -109,7 +109,7 @@ class Snapshot:
         with self.audit:
             pass  # records everything StateAudit covers; restore() puts it back
         self.attrs = [
-            (m, {k: v for k, v in vars(m).items() if k != "training"})
+            (m, dict(vars(m)))
             for m in model.modules()
             if not type(m).__module__.startswith(_WRAPPERS)
         ]
@@ -129,7 +129,7 @@ class Snapshot:
         self.audit.restore()
         for m, held in self.attrs:
             now = vars(m)
-            for k in [k for k in now if k not in held and k != "training"]:
+            for k in [k for k in now if k not in held]:
                 del now[k]  # set by the step since: `self.last_out = out`
             for k, v in held.items():
                 if now.get(k, _GONE) is not v:

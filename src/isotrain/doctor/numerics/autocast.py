@@ -188,21 +188,14 @@ class _Flops(WatchMode):
         return out
 
     def _custom(self, func: Any, args: Any, kwargs: Any, inner: _Scope) -> Any:
-        """A custom op's kernel run under the autocast state the user's code had (a dispatch
-        mode handler runs with autocast off), its inner ops counted: the kernel is reached by
-        redispatching to the device's key, so this mode sees its ops and not the op again."""
+        """A custom op's kernel, run under the autocast state the user's code had (WatchMode
+        enters it), its inner ops counted: the kernel is reached by redispatching to the
+        device's key, so this mode sees its ops and not the op again."""
         key = _BACKEND.get(inner.device)
         if key is None:
             return func(*args, **kwargs)
-        was = torch.is_autocast_enabled(inner.device), torch.get_autocast_dtype(inner.device)
-        torch.set_autocast_enabled(inner.device, inner.enabled)
-        torch.set_autocast_dtype(inner.device, inner.dtype)
-        try:
-            with _Flops(self.tally, func.name()):
-                return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
-        finally:
-            torch.set_autocast_enabled(inner.device, was[0])
-            torch.set_autocast_dtype(inner.device, was[1])
+        with _Flops(self.tally, func.name()):
+            return func.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
 
 
 _BACKEND = {"cpu": torch._C.DispatchKey.CPU, "cuda": torch._C.DispatchKey.CUDA}

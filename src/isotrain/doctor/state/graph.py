@@ -26,7 +26,7 @@ from torch import nn
 from isotrain.doctor.ground.calls import CallWatch, watching_calls
 from isotrain.doctor.ground.context import CannotRun, Context
 from isotrain.doctor.ground.finding import Finding
-from isotrain.doctor.ground.globals import cell_full, step_functions
+from isotrain.doctor.ground.globals import names_read
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.trace import Trace, alive_roots, nodes_below, trace
 
@@ -163,13 +163,8 @@ def _held(ctx: Context, walk: _Walk) -> Iterator[tuple[str, torch.Tensor]]:
     owner = getattr(getattr(ctx.step, "__wrapped__", ctx.step), "__self__", None)
     if owner is not None:  # a bound method's object (a Trainer's train_step)
         yield from walk.value(owner, "self", 0)
-    for f in step_functions(ctx.step):  # what the step (and what it calls) reads by name
-        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=True):
-            if cell_full(cell):
-                yield from walk.value(cell.cell_contents, var, 0)
-        for name in f.__code__.co_names:
-            if name in f.__globals__:
-                yield from walk.value(f.__globals__[name], name, 0)
+    for _, _, name, value in names_read(ctx.step):  # what the step (and what it calls) reads
+        yield from walk.value(value, name, 0)
 
 
 class _Walk:

@@ -351,9 +351,8 @@ class _Watch:
             if grad is not None and added is not None:
                 got.append(grad.detach())
                 new.append(added)
-        if not got or _norm2(got) == 0 or _norm2(new) == 0:
-            return True
-        return _dot(got, new) >= 0.999 * math.sqrt(_norm2(got) * _norm2(new))
+        norms = _norm2(got) * _norm2(new)
+        return norms == 0 or _dot(got, new) >= 0.999 * math.sqrt(norms)
 
     def post_step(self, opt: Any, args: Any, kwargs: Any) -> None:
         i = self.index.get(id(opt))
