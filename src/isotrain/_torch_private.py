@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 DispatchMode = TorchDispatchMode
 
 __all__ = [
+    "DataLoaderIter",
     "DispatchMode",
     "backend_compiler",
     "compile_metrics",
@@ -57,6 +58,12 @@ __all__ = [
     "tensor_version",
     "tree_leaves",
 ]
+
+
+# -- DataLoader iterators (torch.utils.data.dataloader) ---------------------------------------
+# The base of every DataLoader iterator: its __init__ draws the iterator's base seed from the
+# loader's generator, the global RNG when it has none (shuffle=False too).
+DataLoaderIter = torch.utils.data.dataloader._BaseDataLoaderIter
 
 
 # -- torch function modes (torch.overrides) ---------------------------------------------------

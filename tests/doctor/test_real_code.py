@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.doctor.test_trust import examined_untouched, no_alarm, state_hash
+from tests.doctor.zoo import seeded as zoo_seeded
 from tests.doctor.zoo_loops import mnist_epoch
 from tests.doctor.zoo_real import REAL
 from torch import nn
@@ -382,3 +383,34 @@ def test_a_gradient_norm_measured_with_max_norm_inf_is_no_nonfinite_forward() ->
         "mul turned a NaN/Inf number your code passed it into the step's first NaN/Inf (outside "
         "any module), and the loss or a gradient at the update is not finite"
     )
+
+
+@pytest.mark.parametrize("own_generator", [False, True])
+def test_an_eval_loaders_base_seed_is_named_as_the_rng_its_evaluation_draws(
+    own_generator: bool,
+) -> None:
+    """pytorch/examples mnist's test(): iterating the test DataLoader (shuffle off) draws its
+    iterator's base seed from the global RNG, so the next step's dropout masks change; a
+    DataLoader with a generator of its own draws nothing from it."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(32, 8, generator=g), torch.randint(0, 3, (32,), generator=g))
+    loader = DataLoader(data, 16, generator=torch.Generator() if own_generator else None)
+    model = zoo_seeded(lambda: nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 3)))
+
+    def test(model: nn.Module, batches: Any) -> float:
+        model.eval()
+        with torch.no_grad():
+            return sum(float(F.cross_entropy(model(x), y)) for x, y in loader)
+
+    setup = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 batches=[data[:16], data[16:]], eval_fn=test,
+                 loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))  # fmt: skip
+    found = examine(**setup, checks=["rng_leak"]).findings
+    if own_generator:
+        assert found == [], found
+        return
+    (f,) = found
+    assert f.severity == "warning" and "1 DataLoader iterator(s) it started" in f.evidence, f
+    assert "own generator=torch.Generator()" in f.fix, f

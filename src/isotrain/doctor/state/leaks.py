@@ -11,17 +11,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from isotrain._shared import capture_rng, restore_rng, rng_differences
+from isotrain._torch_private import DataLoaderIter
 from isotrain.contexts import StateAudit
 from isotrain.doctor.ground.context import BATCH_NORMS, CannotRun, Context, as_loss, params_of
 from isotrain.doctor.ground.finding import Finding, Severity
 from isotrain.doctor.ground.kinds import Check, Kind
 from isotrain.doctor.ground.probe import probe_ok
 from isotrain.doctor.ground.snapshot import Snapshot
+from isotrain.doctor.ground.trace import patched
 
 __all__ = ["LEAKS", "RNG_LEAK", "check_leaks", "check_rng_leak"]
 
@@ -225,9 +228,25 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
     kept.restore()
     restore_rng(after_first)
     audit = StateAudit(model, warn=False, check_rng=False)
-    with audit:
+    seeded: list[Any] = []  # DataLoaders whose iterators eval_fn started off the global RNG
+
+    def counting(original: Any) -> Any:
+        def init(it: Any, loader: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(loader, "generator", None) is None:
+                seeded.append(loader)
+            return original(it, loader, *args, **kwargs)
+
+        return init
+
+    with audit, patched(DataLoaderIter, "__init__", counting):
         ctx.run_eval(model)
     audit.restore()  # flags, buffers and grad mode back: only the RNG may differ now
+    why = (
+        f" ({len(seeded)} DataLoader iterator(s) it started drew their base seed from it, as a "
+        "DataLoader without a generator of its own does, shuffle=False included)"
+        if seeded else ""
+    )  # fmt: skip
+    own = "; or give the eval DataLoader its own generator=torch.Generator()" if seeded else ""
     consumed = capture_rng()
     ctx.run_step(model, opt, ctx.batches[1])
     now = _values(model)
@@ -238,10 +257,11 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
                 "rng_leak",
                 "warning",
                 "eval_fn",
-                f"eval_fn drew from the training RNG: the next step then changed {len(moved)} "
-                f"parameter(s) differently (e.g. {moved[0]}) than without the evaluation",
+                f"eval_fn drew from the training RNG{why}: the next step then changed "
+                f"{len(moved)} parameter(s) differently (e.g. {moved[0]}) than without the "
+                "evaluation",
                 "wrap the validation pass in `isotrain.contexts.rng_isolated()` "
-                "(with isotrain.contexts.eval_mode(model), rng_isolated(seed=0): ...)",
+                f"(with isotrain.contexts.eval_mode(model), rng_isolated(seed=0): ...){own}",
             )
         ]
     if rng_differences(after_first, consumed):
@@ -250,9 +270,9 @@ def check_rng_leak(ctx: Context) -> list[Finding]:
                 "rng_leak",
                 "info",
                 "eval_fn",
-                "eval_fn advanced the global RNG, but this step draws no random numbers, so "
-                "training is unchanged today (dropout or a shuffle added later would change)",
-                "wrap the validation pass in `isotrain.contexts.rng_isolated()`",
+                f"eval_fn advanced the global RNG{why}, but this step draws no random numbers, "
+                "so training is unchanged today (dropout or a shuffle added later would change)",
+                f"wrap the validation pass in `isotrain.contexts.rng_isolated()`{own}",
             )
         ]
     return []
